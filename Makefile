@@ -1,0 +1,44 @@
+# rl_redis: Redis-backed rate limiting for PostgreSQL (PGXS build)
+
+EXTENSION = rl_redis
+MODULE_big = rl_redis
+OBJS = \
+	src/rl_redis.o \
+	src/guc.o \
+	src/transport.o \
+	src/scripts.o \
+	src/limits.o
+
+DATA = $(wildcard sql/rl_redis--*.sql)
+PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"
+
+REGRESS = setup arguments fixed sliding reset privileges
+REGRESS_OPTS = --inputdir=. --outputdir=. --load-extension=rl_redis
+
+SHLIB_LINK = -lhiredis
+PG_CPPFLAGS = -I$(srcdir)/src
+PG_CFLAGS = -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare -Wno-missing-field-initializers
+
+LUA_SCRIPTS = $(sort $(wildcard lua/*.lua))
+EXTRA_CLEAN = src/lua_scripts.h results regression.diffs regression.out
+
+PG_CONFIG ?= pg_config
+PGXS := $(shell $(PG_CONFIG) --pgxs)
+include $(PGXS)
+
+# The Lua scripts are compiled into the library as C strings, with their SHA1
+# digests computed here so that EVALSHA needs no work at run time.
+src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh
+	sh src/embed_lua.sh $(LUA_SCRIPTS) > $@.tmp && mv $@.tmp $@
+
+src/scripts.o: src/lua_scripts.h
+
+.PHONY: test demo bench
+test:
+	bash sql_tests/run_tests.sh
+
+demo:
+	bash examples/demo.sh
+
+bench:
+	bash sql_tests/bench.sh

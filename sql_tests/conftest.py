@@ -1,0 +1,382 @@
+"""Fixtures for the rl_redis concurrency and fault tests.
+
+Run through sql_tests/run_tests.sh, which exports PGHOST/PGPORT/PGUSER/
+PGDATABASE for a throwaway cluster, RL_DIR (its temporary folder) and
+RL_REDIS_PORT (the Redis that the cluster's postgresql.conf points at).
+
+Use Debian's interpreter: /usr/bin/python3 -m pytest sql_tests
+(python3-psycopg is psycopg 3, python3-pytest is pytest).
+
+Fixtures:
+  pg                 new autocommit connection as the postgres superuser,
+                     closed after the test
+  redis_factory      starts extra redis-server processes (see RedisServer),
+                     all killed at teardown
+  shared_redis_port  int(os.environ["RL_REDIS_PORT"])
+  shared_redis       a RedisServer-like handle (cli/command) for that Redis
+  ident              a unique identity for the test
+
+Module-level helpers (importable from the test modules: `from conftest
+import ...`): pg_connect, new_ident, set_gucs, use_redis, RedisServer.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+
+import psycopg
+from psycopg import sql
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+
+# ---------------------------------------------------------------- PostgreSQL
+
+
+def pg_connect(**kwargs):
+    """A new autocommit psycopg connection to the test cluster.
+
+    Connection parameters come from the PG* environment variables that
+    run_tests.sh exports; keyword arguments (e.g. user=...) override them.
+    """
+    kwargs.setdefault("autocommit", True)
+    kwargs.setdefault("connect_timeout", 10)
+    kwargs.setdefault("application_name", "rl_redis_pytest")
+    return psycopg.connect(**kwargs)
+
+
+def new_ident(tag="t"):
+    """An identity nobody else uses (curly braces are left out on purpose:
+    the extension wraps the identity in {} itself)."""
+    return "pytest:%s:%s" % (tag, uuid.uuid4().hex)
+
+
+def set_gucs(conn, **gucs):
+    """SET rl_redis.<name> = <value> for every keyword, in this session."""
+    for name, value in gucs.items():
+        conn.execute(
+            sql.SQL("SET {} = {}").format(
+                sql.Identifier("rl_redis", name), sql.Literal(str(value))
+            )
+        )
+
+
+def use_redis(conn, server, **gucs):
+    """Points the session at `server` (a RedisServer), plus other GUCs."""
+    if server.unix_socket:
+        set_gucs(conn, host=server.unix_socket)
+    else:
+        set_gucs(conn, host="127.0.0.1", port=server.port)
+    set_gucs(conn, **gucs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _extension():
+    """Makes sure the extension exists in the test database."""
+    for var in ("PGHOST", "PGPORT", "RL_REDIS_PORT"):
+        if var not in os.environ:
+            pytest.exit(
+                "%s is not set: run these tests through sql_tests/run_tests.sh" % var,
+                returncode=2,
+            )
+    with pg_connect() as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS rl_redis")
+    yield
+
+
+@pytest.fixture
+def pg():
+    """A new autocommit connection as the postgres superuser."""
+    conn = pg_connect()
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def ident():
+    return new_ident()
+
+
+# ---------------------------------------------------------------- Redis
+
+
+def free_port():
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+class RespError(Exception):
+    """A Redis error reply."""
+
+
+def _read_reply(f):
+    line = f.readline()
+    if not line:
+        raise ConnectionError("Redis closed the connection")
+    kind, rest = line[:1], line[1:-2].decode()
+    if kind == b"+":
+        return rest
+    if kind == b"-":
+        raise RespError(rest)
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        n = int(rest)
+        if n < 0:
+            return None
+        data = f.read(n + 2)
+        return data[:-2].decode()
+    if kind == b"*":
+        n = int(rest)
+        if n < 0:
+            return None
+        return [_read_reply(f) for _ in range(n)]
+    raise ConnectionError("bad RESP reply: %r" % line)
+
+
+def resp_command(args, port=None, unix_socket=None, password=None, timeout=5.0):
+    """Sends one command over a fresh connection and returns the parsed reply
+    (raises RespError for an error reply)."""
+    if unix_socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        addr = unix_socket
+    else:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        addr = ("127.0.0.1", port)
+    s.settimeout(timeout)
+    try:
+        s.connect(addr)
+        cmds = []
+        if password is not None:
+            cmds.append(["AUTH", password])
+        cmds.append([str(a) for a in args])
+        payload = b""
+        for cmd in cmds:
+            payload += b"*%d\r\n" % len(cmd)
+            for a in cmd:
+                b = a.encode()
+                payload += b"$%d\r\n%s\r\n" % (len(b), b)
+        s.sendall(payload)
+        f = s.makefile("rb")
+        reply = None
+        for _ in cmds:
+            reply = _read_reply(f)
+        return reply
+    finally:
+        s.close()
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1:<port> (or a Unix socket when
+    unix_socket=True), no persistence, in its own folder."""
+
+    def __init__(self, base_dir, name, unix_socket=False, password=None, extra_args=()):
+        self.dir = os.path.join(base_dir, name)
+        os.makedirs(self.dir)
+        os.chmod(self.dir, 0o755)
+        self.password = password
+        self.extra_args = list(extra_args)
+        self.unix_socket = os.path.join(self.dir, "redis.sock") if unix_socket else None
+        self.port = 0 if unix_socket else free_port()
+        self.proc = None
+        self.paused = False
+
+    # -- process control
+
+    def _argv(self):
+        argv = [
+            REDIS_SERVER,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--dir", self.dir,
+            "--logfile", os.path.join(self.dir, "redis.log"),
+        ]
+        if self.unix_socket:
+            argv += ["--unixsocket", self.unix_socket, "--unixsocketperm", "777"]
+        if self.password is not None:
+            argv += ["--requirepass", self.password]
+        return argv + self.extra_args
+
+    def start(self, timeout=15.0):
+        """Starts the server (again, on the same port / socket)."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        deadline = time.monotonic() + timeout
+        while True:
+            self.proc = subprocess.Popen(
+                self._argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            self.paused = False
+            if self._wait_ready(deadline):
+                return self
+            # exited early (port taken?): retry on the same port until the deadline
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise RuntimeError(
+                    "redis-server in %s did not start; log:\n%s" % (self.dir, self.log())
+                )
+            time.sleep(0.2)
+
+    def _wait_ready(self, deadline):
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                reply = self.command("PING", timeout=1.0)
+                if reply == "PONG":
+                    return True
+            except RespError as e:
+                if "NOAUTH" in str(e):  # started with --requirepass
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        """SIGKILL and wait (works on a paused process too)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.paused = False
+
+    def pause(self):
+        """SIGSTOP: the kernel still accepts connections and data, nobody answers."""
+        assert self.proc is not None and self.proc.poll() is None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self):
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    # -- talking to it
+
+    def cli(self, *args, check=True):
+        """Runs redis-cli against this server; returns its stdout, stripped."""
+        argv = [REDIS_CLI]
+        if self.unix_socket:
+            argv += ["-s", self.unix_socket]
+        else:
+            argv += ["-h", "127.0.0.1", "-p", str(self.port)]
+        if self.password is not None:
+            argv += ["--no-auth-warning", "-a", self.password]
+        argv += [str(a) for a in args]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=15)
+        if check and res.returncode != 0:
+            raise RuntimeError("redis-cli %s failed: %s" % (args, res.stderr))
+        return res.stdout.strip()
+
+    def command(self, *args, timeout=5.0):
+        """Sends one command through a raw RESP connection (fast, no fork)."""
+        return resp_command(
+            args,
+            port=self.port,
+            unix_socket=self.unix_socket,
+            password=self.password,
+            timeout=timeout,
+        )
+
+    def time_ms(self):
+        """The Redis clock (what the Lua scripts use), in ms."""
+        sec, usec = self.command("TIME")
+        return int(sec) * 1000 + int(usec) // 1000
+
+    def log(self):
+        try:
+            with open(os.path.join(self.dir, "redis.log")) as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+
+class _SharedRedis(RedisServer):
+    """Handle for the Redis run_tests.sh started (never stopped from here)."""
+
+    def __init__(self, port):
+        self.dir = None
+        self.password = None
+        self.extra_args = []
+        self.unix_socket = None
+        self.port = port
+        self.proc = None
+        self.paused = False
+
+    def start(self, *a, **k):
+        raise RuntimeError("the shared Redis is not managed by the tests")
+
+    stop = pause = resume = start
+
+
+class RedisFactory:
+    def __init__(self):
+        base = os.environ.get("RL_DIR")
+        if not base or not os.path.isdir(base):
+            base = None
+        self.base_dir = tempfile.mkdtemp(prefix="redis_fx_", dir=base)
+        # the postgres OS user must be able to reach Unix sockets in here
+        os.chmod(self.base_dir, 0o755)
+        self.servers = []
+
+    def __call__(self, unix_socket=False, password=None, extra_args=()):
+        server = RedisServer(
+            self.base_dir,
+            "r%d" % len(self.servers),
+            unix_socket=unix_socket,
+            password=password,
+            extra_args=extra_args,
+        )
+        self.servers.append(server)
+        return server.start()
+
+    def cleanup(self):
+        for s in self.servers:
+            try:
+                if s.paused:
+                    s.resume()
+                s.stop()
+            except Exception:  # keep killing the others
+                pass
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_factory():
+    """Call it to start one more redis-server: redis_factory(unix_socket=False,
+    password=None, extra_args=()) -> RedisServer with .port, .stop(), .start(),
+    .pause(), .resume(), .cli(*args). Every server is killed at teardown."""
+    factory = RedisFactory()
+    try:
+        yield factory
+    finally:
+        factory.cleanup()
+
+
+@pytest.fixture
+def shared_redis_port():
+    return int(os.environ["RL_REDIS_PORT"])
+
+
+@pytest.fixture
+def shared_redis(shared_redis_port):
+    return _SharedRedis(shared_redis_port)

@@ -1,0 +1,94 @@
+# Shared shell helpers for the test runner, the benchmark and the demo:
+# start a throwaway Redis and a throwaway PostgreSQL cluster on free loopback
+# ports inside one temporary folder, and stop them again.
+#
+# Usage (from bash):
+#   . sql_tests/lib.sh
+#   rl_cluster_start            # sets RL_DIR, RL_PGPORT, RL_REDIS_PORT, PG* vars
+#   ...                         # psql works, Redis answers on $RL_REDIS_PORT
+#   rl_cluster_stop             # also registered as an EXIT trap
+#
+# PostgreSQL refuses to run as root, so when this runs as root the cluster is
+# owned by, and started as, the unprivileged "postgres" user.
+
+RL_PGBIN=${RL_PGBIN:-$(pg_config --bindir)}
+
+# Prints a TCP port on 127.0.0.1 that nothing listens on right now.
+rl_free_port() {
+	/usr/bin/python3 -c 'import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])'
+}
+
+# Runs a command as the cluster owner (postgres when we are root).
+rl_as_owner() {
+	if [ "$(id -u)" = 0 ]; then
+		runuser -u postgres -- "$@"
+	else
+		"$@"
+	fi
+}
+
+# Waits until redis-server answers PING on the given port (about 10 s at most).
+rl_wait_redis() {
+	local port=$1 i
+	for i in $(seq 1 100); do
+		[ "$(redis-cli -p "$port" ping 2>/dev/null)" = PONG ] && return 0
+		sleep 0.1
+	done
+	echo "redis-server on port $port did not start" >&2
+	return 1
+}
+
+# Starts Redis and PostgreSQL in a new temporary folder and exports the
+# variables that psql, pg_regress and the Python tests read.
+rl_cluster_start() {
+	RL_DIR=$(mktemp -d "${TMPDIR:-/tmp}/rl_redis_test.XXXXXX")
+	chmod 755 "$RL_DIR"
+	[ "$(id -u)" = 0 ] && chown postgres "$RL_DIR"
+	RL_REDIS_PORT=$(rl_free_port)
+	RL_PGPORT=$(rl_free_port)
+	export RL_DIR RL_REDIS_PORT RL_PGPORT
+	trap rl_cluster_stop EXIT
+
+	redis-server --port "$RL_REDIS_PORT" --bind 127.0.0.1 --save '' \
+		--appendonly no --dir "$RL_DIR" --logfile "$RL_DIR/redis.log" \
+		--pidfile "$RL_DIR/redis.pid" --daemonize yes >/dev/null
+	rl_wait_redis "$RL_REDIS_PORT" || return 1
+
+	rl_as_owner "$RL_PGBIN/initdb" -D "$RL_DIR/pgdata" -U postgres \
+		--auth=trust --no-sync -E UTF8 --locale=C >"$RL_DIR/initdb.log" 2>&1 ||
+		{ cat "$RL_DIR/initdb.log" >&2; return 1; }
+	cat >>"$RL_DIR/pgdata/postgresql.conf" <<-EOF
+		port = $RL_PGPORT
+		listen_addresses = '127.0.0.1'
+		unix_socket_directories = '$RL_DIR'
+		fsync = off
+		max_connections = 100
+		wal_level = replica
+		max_wal_senders = 4
+		hot_standby = on
+		rl_redis.host = '127.0.0.1'
+		rl_redis.port = $RL_REDIS_PORT
+	EOF
+	echo "host replication all 127.0.0.1/32 trust" >>"$RL_DIR/pgdata/pg_hba.conf"
+	rl_as_owner "$RL_PGBIN/pg_ctl" -D "$RL_DIR/pgdata" -l "$RL_DIR/postgres.log" \
+		-w -t 60 start >/dev/null || { cat "$RL_DIR/postgres.log" >&2; return 1; }
+
+	export PGHOST=127.0.0.1 PGPORT=$RL_PGPORT PGUSER=postgres PGDATABASE=postgres
+}
+
+# Stops whatever rl_cluster_start started and removes its folder.
+rl_cluster_stop() {
+	[ -n "${RL_DIR:-}" ] && [ -d "$RL_DIR" ] || return 0
+	if [ -f "$RL_DIR/pgdata/postmaster.pid" ]; then
+		rl_as_owner "$RL_PGBIN/pg_ctl" -D "$RL_DIR/pgdata" -m immediate -w stop >/dev/null 2>&1
+	fi
+	if [ -f "$RL_DIR/redis.pid" ]; then
+		kill "$(cat "$RL_DIR/redis.pid")" 2>/dev/null
+	fi
+	sleep 0.2
+	rm -rf "$RL_DIR"
+	RL_DIR=
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The one test command (`make test`): installs missing packages, builds and
+# installs the extension, starts a throwaway Redis and PostgreSQL on free
+# loopback ports, runs every suite, stops both, and exits non-zero when any
+# suite fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+bash sql_tests/install_deps.sh || exit 1
+
+sudo=
+[ "$(id -u)" = 0 ] || sudo=sudo
+make -s clean >/dev/null
+make -s || exit 1
+$sudo make -s install >/dev/null || exit 1
+
+. sql_tests/lib.sh
+rl_cluster_start || exit 1
+
+failed=()
+
+echo "== pg_regress (make installcheck)"
+if ! make -s installcheck; then
+	failed+=(installcheck)
+	[ -f regression.diffs ] && head -200 regression.diffs
+fi
+
+echo "== concurrency and fault tests (pytest)"
+/usr/bin/python3 -m pytest -q -p no:cacheprovider sql_tests || failed+=(pytest)
+
+if [ ${#failed[@]} -gt 0 ]; then
+	echo "FAILED suites: ${failed[*]}"
+	exit 1
+fi
+echo "all suites passed"

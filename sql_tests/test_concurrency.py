@@ -1,0 +1,189 @@
+"""Many sessions hammering the same identity, and real-clock window tests.
+
+All of these use the shared Redis that postgresql.conf points at.
+"""
+
+import threading
+import time
+
+import pytest
+
+from conftest import new_ident, pg_connect
+
+THREADS = 16
+CALLS_PER_THREAD = 20
+LONG_WINDOW_MS = 600000
+
+ALGORITHMS = ["rl_fixed_allow", "rl_sliding_allow"]
+
+
+def hammer(jobs, threads=THREADS, calls=CALLS_PER_THREAD):
+    """Runs `threads` threads, each with its own connection, all starting at
+    the same moment. Call i of thread t runs jobs(t, i) -> (sql, params) and
+    the boolean results are counted per sql+params[0].
+
+    Returns {(sql, identity): allowed_count}."""
+    conns = [pg_connect() for _ in range(threads)]
+    barrier = threading.Barrier(threads)
+    results = [dict() for _ in range(threads)]
+    errors = []
+
+    def worker(t):
+        try:
+            conn = conns[t]
+            barrier.wait(timeout=60)
+            for i in range(calls):
+                query, params = jobs(t, i)
+                row = conn.execute(query, params).fetchone()
+                assert row is not None and isinstance(row[0], bool), row
+                key = (query, params[0])
+                results[t][key] = results[t].get(key, 0) + (1 if row[0] else 0)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    ths = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    try:
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(timeout=300)
+        assert not any(th.is_alive() for th in ths), "worker threads hung"
+    finally:
+        for c in conns:
+            c.close()
+    assert errors == [], errors
+    total = {}
+    for r in results:
+        for k, v in r.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def same_fixed_window(redis, window_ms, body, attempts=4):
+    """Runs body() (which must use fresh identities on every call) until one
+    run starts and ends inside one fixed window of the Redis clock, so a
+    window boundary falling in the middle can't change the counts. Returns
+    body()'s result."""
+    for _ in range(attempts):
+        t0 = redis.time_ms()
+        result = body()
+        t1 = redis.time_ms()
+        if t0 // window_ms == t1 // window_ms:
+            return result
+    pytest.fail("could not run inside one %d ms window in %d attempts" % (window_ms, attempts))
+
+
+def peek_remaining(conn, func, identity, lim, window_ms):
+    """remaining of a cost-0 call (a peek, consumes nothing)."""
+    base = func.replace("_allow", "")
+    row = conn.execute(
+        "SELECT (r).remaining FROM %s(%%s, %%s, %%s, 0) AS r" % base,
+        (identity, lim, window_ms),
+    ).fetchone()
+    return row[0]
+
+
+@pytest.mark.parametrize("func", ALGORITHMS)
+@pytest.mark.parametrize("cost, expected", [(1, 100), (3, 33)])
+def test_many_sessions_one_identity(pg, shared_redis, func, cost, expected):
+    lim = 100
+    assert THREADS * CALLS_PER_THREAD * cost > lim * 2  # plenty of contention
+
+    query = "SELECT %s(%%s, %%s, %%s, %%s)" % func
+
+    def run():
+        identity = new_ident("conc")
+        total = hammer(lambda t, i: (query, (identity, lim, LONG_WINDOW_MS, cost)))
+        # denied calls consumed nothing: exactly lim - allowed*cost are left
+        remaining = peek_remaining(pg, func, identity, lim, LONG_WINDOW_MS)
+        # and one more call of that cost is denied (for cost 3: 1 left < 3)
+        again = pg.execute(query, (identity, lim, LONG_WINDOW_MS, cost)).fetchone()[0]
+        return total[(query, identity)], remaining, again
+
+    if func == "rl_fixed_allow":
+        allowed, remaining, again = same_fixed_window(shared_redis, LONG_WINDOW_MS, run)
+    else:
+        allowed, remaining, again = run()
+
+    assert allowed == expected
+    assert remaining == lim - expected * cost
+    assert again is False
+
+
+@pytest.mark.parametrize("func", ALGORITHMS)
+def test_identities_have_independent_quotas(pg, shared_redis, func):
+    lim_a, lim_b = 40, 70
+    query = "SELECT %s(%%s, %%s, %%s)" % func
+
+    def run():
+        a, b = new_ident("indepA"), new_ident("indepB")
+        # even threads hit A, odd threads hit B, all at the same time
+        total = hammer(
+            lambda t, i: (query, (a, lim_a, LONG_WINDOW_MS))
+            if t % 2 == 0
+            else (query, (b, lim_b, LONG_WINDOW_MS))
+        )
+        return a, b, total
+
+    if func == "rl_fixed_allow":
+        a, b, total = same_fixed_window(shared_redis, LONG_WINDOW_MS, run)
+    else:
+        a, b, total = run()
+
+    assert total[(query, a)] == lim_a
+    assert total[(query, b)] == lim_b
+
+    # sequentially: exhausting C leaves a fresh D untouched
+    def seq():
+        c, d = new_ident("indepC"), new_ident("indepD")
+        got_c = [pg.execute(query, (c, 3, LONG_WINDOW_MS)).fetchone()[0] for _ in range(4)]
+        got_d = [pg.execute(query, (d, 3, LONG_WINDOW_MS)).fetchone()[0] for _ in range(4)]
+        return got_c, got_d
+
+    if func == "rl_fixed_allow":
+        got_c, got_d = same_fixed_window(shared_redis, LONG_WINDOW_MS, seq)
+    else:
+        got_c, got_d = seq()
+    assert got_c == [True, True, True, False]
+    assert got_d == [True, True, True, False]
+
+
+def test_sliding_real_clock(pg, shared_redis):
+    window = 1500
+    query = "SELECT rl_sliding_allow(%s, 3, %s)"
+    for _ in range(4):
+        identity = new_ident("slide")
+        t0 = shared_redis.time_ms()
+        got = [pg.execute(query, (identity, window)).fetchone()[0] for _ in range(4)]
+        t1 = shared_redis.time_ms()
+        if t1 - t0 < window - 300:  # all four calls well inside one window
+            break
+    else:
+        pytest.fail("4 calls never fitted in %d ms" % (window - 300))
+    assert got == [True, True, True, False]
+    time.sleep(2.5)
+    assert pg.execute(query, (identity, window)).fetchone()[0] is True
+    # the old entries are gone: 2 more fit, then denied again
+    got = [pg.execute(query, (identity, window)).fetchone()[0] for _ in range(3)]
+    assert got == [True, True, False]
+
+
+def test_fixed_real_clock(pg, shared_redis):
+    window = 1000
+    query = "SELECT rl_fixed_allow(%s, 3, %s)"
+    for _ in range(6):
+        # start early in a window of the Redis clock
+        into = shared_redis.time_ms() % window
+        if into > 300:
+            time.sleep((window - into + 30) / 1000.0)
+        identity = new_ident("fixed")
+        t0 = shared_redis.time_ms()
+        got = [pg.execute(query, (identity, window)).fetchone()[0] for _ in range(4)]
+        t1 = shared_redis.time_ms()
+        if t0 // window == t1 // window:
+            break
+    else:
+        pytest.fail("4 calls never fitted in one %d ms window" % window)
+    assert got == [True, True, True, False]
+    time.sleep(2.2)
+    assert pg.execute(query, (identity, window)).fetchone()[0] is True

@@ -1,0 +1,21 @@
+/*
+ * rl_redis.c
+ *	  Module entry point: defines the settings and hooks up the transport.
+ */
+#include "postgres.h"
+
+#include "fmgr.h"
+
+#include "rl_redis.h"
+
+PG_MODULE_MAGIC;
+
+void		_PG_init(void);
+
+/* Called when the library is loaded into a backend. */
+void
+_PG_init(void)
+{
+	rl_define_gucs();
+	rl_transport_init();
+}
