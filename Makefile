@@ -12,7 +12,7 @@ OBJS = \
 DATA = $(wildcard sql/rl_redis--*.sql)
 PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"
 
-REGRESS = setup arguments fixed sliding reset privileges
+REGRESS = arguments fixed sliding keys privileges on_error
 REGRESS_OPTS = --inputdir=. --outputdir=. --load-extension=rl_redis
 
 SHLIB_LINK = -lhiredis

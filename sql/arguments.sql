@@ -1,0 +1,41 @@
+-- Argument checking: 22023 for values out of range, 22004 for NULLs, the
+-- message naming the argument.
+SELECT rl_sliding_allow('', 5, 60000);
+SELECT rl_sliding_allow('u', 0, 60000);
+SELECT rl_sliding_allow('u', -1, 60000);
+SELECT rl_sliding_allow('u', 5, 0);
+SELECT rl_sliding_allow('u', 5, -60000);
+SELECT rl_sliding_allow('u', 5, 60000, -1);
+SELECT rl_fixed_allow('', 5, 60000);
+SELECT rl_fixed_allow('u', 0, 60000);
+SELECT rl_fixed_allow('u', 5, 0);
+SELECT rl_fixed_allow('u', 5, 60000, -1);
+SELECT * FROM rl_fixed('u', 5, 60000, -2);
+SELECT * FROM rl_sliding('u', 5, 0);
+SELECT rl_sliding_allow(NULL, 5, 60000);
+SELECT rl_sliding_allow('u', NULL, 60000);
+SELECT rl_sliding_allow('u', 5, NULL);
+SELECT rl_sliding_allow('u', 5, 60000, NULL);
+SELECT rl_fixed_allow(NULL, 5, 60000);
+SELECT * FROM rl_fixed('u', 5, NULL);
+SELECT rl_reset(NULL);
+SELECT rl_reset('');
+-- out of the argument types' range
+SELECT rl_sliding_allow('u', 3000000000, 60000);
+\set VERBOSITY default
+-- the messages name the argument
+SELECT rl_sliding_allow('', 5, 60000);
+SELECT rl_sliding_allow('u', 0, 60000);
+SELECT rl_sliding_allow('u', 5, 0);
+SELECT rl_sliding_allow('u', 5, 60000, -1);
+SELECT rl_sliding_allow('u', 5, NULL);
+-- a NULL decision would let "IF NOT rl_sliding_allow(...)" through: the
+-- functions are not strict and raise instead
+SELECT proname, proisstrict FROM pg_proc
+ WHERE proname LIKE 'rl\_%' ORDER BY proname, proisstrict;
+-- window_ms is bigint: a 30-day window is expressible, an int still resolves
+SELECT pg_get_function_identity_arguments('rl_sliding_allow'::regproc);
+SELECT rl_sliding_allow('args:month', 5, 2592000000);
+SELECT rl_sliding_allow('args:int', 5, 60000::int);
+SELECT rl_reset('args:month');
+SELECT rl_reset('args:int');

@@ -1,0 +1,528 @@
+"""Fault injection: hung, dead, restarted and misbehaving Redis servers.
+
+Every test starts its own redis-server(s) through redis_factory and points
+its session at them with SET rl_redis.* (the tests connect as superuser).
+Redis "hangs" are SIGSTOP: the kernel still accepts the connection and the
+request, nothing answers.
+"""
+
+import threading
+import time
+
+import psycopg
+import psycopg.errors
+import pytest
+
+from conftest import new_ident, pg_connect, set_gucs, use_redis
+
+LONG_WINDOW_MS = 600000
+
+ALLOW = "SELECT rl_sliding_allow(%s, 1000, 600000)"
+FIXED_ALLOW = "SELECT rl_fixed_allow(%s, 1000, 600000)"
+
+
+def allow(conn, identity, query=ALLOW):
+    """One rate-limit call that must succeed; returns the boolean."""
+    value = conn.execute(query, (identity,)).fetchone()[0]
+    assert isinstance(value, bool), value
+    return value
+
+
+def timed_error(conn, query, params):
+    """Runs a query that must fail; returns (exception, seconds it took)."""
+    t0 = time.monotonic()
+    with pytest.raises(psycopg.Error) as excinfo:
+        conn.execute(query, params)
+    return excinfo.value, time.monotonic() - t0
+
+
+class Notice:
+    """What a notice said (psycopg's Diagnostic is only valid inside the
+    handler, so the fields are copied out there)."""
+
+    def __init__(self, diag):
+        self.severity = diag.severity_nonlocalized
+        self.sqlstate = diag.sqlstate
+        self.message_primary = diag.message_primary
+        self.message_detail = diag.message_detail
+
+    def __repr__(self):
+        return "Notice(%s %s %r)" % (self.severity, self.sqlstate, self.message_primary)
+
+
+def collect_notices(conn):
+    notices = []
+    conn.add_notice_handler(lambda diag: notices.append(Notice(diag)))
+    return notices
+
+
+def warnings_of(notices):
+    return [n for n in notices if n.severity == "WARNING"]
+
+
+def wait_until_active(pg, pid, timeout=10.0):
+    """Waits until backend `pid` is running a statement."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = pg.execute(
+            "SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+        if row is not None and row[0] == "active":
+            return
+        time.sleep(0.02)
+    pytest.fail("backend %d never became active" % pid)
+
+
+class Victim(threading.Thread):
+    """Runs one statement on `conn` in a thread; records the outcome and when
+    it happened (time.monotonic())."""
+
+    def __init__(self, conn, query, params):
+        super().__init__(daemon=True)
+        self.conn, self.query, self.params = conn, query, params
+        self.result = self.error = None
+        self.started = self.finished = None
+
+    def run(self):
+        self.started = time.monotonic()
+        try:
+            self.result = self.conn.execute(self.query, self.params).fetchone()
+        except BaseException as e:
+            self.error = e
+        self.finished = time.monotonic()
+
+
+# ------------------------------------------------------------ hung Redis
+
+
+@pytest.mark.parametrize("on_error", ["error", "allow", "deny"])
+def test_hung_redis_statement_timeout(pg, redis_factory, on_error):
+    r = redis_factory()
+    use_redis(pg, r, on_error=on_error)
+    identity = new_ident("stmt")
+    assert allow(pg, identity) is True  # connection and scripts are ready
+
+    pg.execute("SET statement_timeout = '300ms'")
+    r.pause()
+    err, elapsed = timed_error(pg, ALLOW, (identity,))
+    # a cancel is never turned into a policy decision, whatever on_error says
+    assert isinstance(err, psycopg.errors.QueryCanceled), repr(err)
+    assert err.sqlstate == "57014"
+    assert 0.25 <= elapsed < 0.3 + 0.7, elapsed
+
+    r.resume()
+    pg.execute("RESET statement_timeout")
+    assert allow(pg, identity) is True  # same session, reconnected
+
+
+def test_hung_redis_pg_cancel_backend(pg, redis_factory):
+    r = redis_factory()
+    victim_conn = pg_connect()
+    try:
+        use_redis(victim_conn, r, command_timeout=60000)
+        identity = new_ident("cancel")
+        assert allow(victim_conn, identity) is True
+        pid = victim_conn.info.backend_pid
+
+        r.pause()
+        v = Victim(victim_conn, ALLOW, (identity,))
+        v.start()
+        wait_until_active(pg, pid)
+        time.sleep(0.3)
+        t_cancel = time.monotonic()
+        assert pg.execute("SELECT pg_cancel_backend(%s)", (pid,)).fetchone()[0] is True
+        v.join(timeout=30)
+        assert not v.is_alive(), "the cancel was not honoured within 30 s"
+
+        assert isinstance(v.error, psycopg.errors.QueryCanceled), repr(v.error)
+        assert v.error.sqlstate == "57014"
+        assert v.finished - t_cancel < 1.5, v.finished - t_cancel
+        assert v.finished - v.started >= 0.25  # it really was stuck in Redis
+
+        r.resume()
+        assert allow(victim_conn, identity) is True
+    finally:
+        r.resume()
+        victim_conn.close()
+
+
+def test_hung_redis_pg_terminate_backend(pg, redis_factory):
+    r = redis_factory()
+    victim_conn = pg_connect()
+    try:
+        use_redis(victim_conn, r, command_timeout=60000)
+        identity = new_ident("term")
+        assert allow(victim_conn, identity) is True
+        pid = victim_conn.info.backend_pid
+
+        r.pause()
+        v = Victim(victim_conn, ALLOW, (identity,))
+        v.start()
+        wait_until_active(pg, pid)
+        time.sleep(0.3)
+        t_kill = time.monotonic()
+        assert pg.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0] is True
+        v.join(timeout=30)
+        assert not v.is_alive(), "pg_terminate_backend was not honoured within 30 s"
+
+        # AdminShutdown (57P01) is a subclass of OperationalError
+        assert isinstance(v.error, psycopg.OperationalError), repr(v.error)
+        assert v.finished - t_kill < 2.0, v.finished - t_kill
+
+        deadline = time.monotonic() + 5.0
+        while True:
+            gone = pg.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()[0] == 0
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert gone, "backend %d still in pg_stat_activity 5 s after terminate" % pid
+    finally:
+        r.resume()
+        victim_conn.close()
+
+
+def test_hung_redis_command_timeout(pg, redis_factory):
+    r = redis_factory()
+    use_redis(pg, r, command_timeout=300)
+    identity = new_ident("cmdto")
+    assert allow(pg, identity) is True
+
+    r.pause()
+    err, elapsed = timed_error(pg, ALLOW, (identity,))
+    assert err.sqlstate == "08006", repr(err)
+    assert 0.25 <= elapsed <= 1.5, elapsed
+
+    r.resume()
+    assert allow(pg, identity) is True
+
+
+@pytest.mark.parametrize("on_error, expected", [("allow", True), ("deny", False)])
+def test_hung_redis_command_timeout_policy(pg, redis_factory, on_error, expected):
+    """command_timeout is a Redis failure, so on_error decides (unlike a cancel)."""
+    r = redis_factory()
+    use_redis(pg, r, command_timeout=300, on_error=on_error)
+    notices = collect_notices(pg)
+    identity = new_ident("cmdto_policy")
+    assert allow(pg, identity) is True
+    assert warnings_of(notices) == []
+
+    r.pause()
+    t0 = time.monotonic()
+    value = allow(pg, identity)
+    elapsed = time.monotonic() - t0
+    assert value is expected
+    assert 0.25 <= elapsed <= 1.5, elapsed
+    assert len(warnings_of(notices)) == 1, notices
+
+    r.resume()
+    assert allow(pg, identity) is True
+
+
+# ------------------------------------------------------------ restart, flush
+
+
+def test_redis_restart_on_error_error(pg, redis_factory):
+    r = redis_factory()
+    use_redis(pg, r, on_error="error")
+    identity = new_ident("restart")
+    assert allow(pg, identity) is True
+
+    r.stop()
+    r.start()
+
+    outcomes = []
+    for _ in range(3):
+        try:
+            outcomes.append(allow(pg, identity))
+        except psycopg.Error as e:
+            outcomes.append(e)
+    failures = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(failures) <= 1, outcomes
+    if failures:
+        assert outcomes[0] is failures[0], outcomes  # only the first may fail
+        assert failures[0].sqlstate is not None and failures[0].sqlstate.startswith("08"), (
+            repr(failures[0])
+        )
+    # the restarted Redis has no data: every successful call is allowed
+    assert [o for o in outcomes if not isinstance(o, Exception)] == [True] * (3 - len(failures))
+
+
+def test_redis_restart_on_error_allow(pg, redis_factory):
+    r = redis_factory()
+    use_redis(pg, r, on_error="allow")
+    identity = new_ident("restart_allow")
+    assert allow(pg, identity) is True
+
+    r.stop()
+    assert allow(pg, identity) is True  # Redis down: allowed by policy
+    r.start()
+    assert [allow(pg, identity) for _ in range(3)] == [True, True, True]
+    # and the calls after the restart really reached the new Redis
+    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+
+
+def test_script_flush_is_transparent(pg, redis_factory):
+    r = redis_factory()
+    use_redis(pg, r, on_error="error")
+    notices = collect_notices(pg)
+    query = "SELECT (r).allowed, (r).remaining FROM rl_fixed(%s, 5, %s) AS r"
+
+    for _ in range(4):
+        identity = new_ident("flush")
+        t0 = r.time_ms()
+        first = pg.execute(query, (identity, LONG_WINDOW_MS)).fetchone()
+        assert r.cli("SCRIPT", "FLUSH") == "OK"
+        second = pg.execute(query, (identity, LONG_WINDOW_MS)).fetchone()
+        t1 = r.time_ms()
+        if t0 // LONG_WINDOW_MS == t1 // LONG_WINDOW_MS:
+            break
+    else:
+        pytest.fail("never stayed inside one fixed window")
+    assert first == (True, 4)
+    assert second == (True, 3)
+    assert warnings_of(notices) == []
+    # flushing twice in a row, with the sliding script too
+    assert r.cli("SCRIPT", "FLUSH") == "OK"
+    assert allow(pg, identity) is True
+    assert r.cli("SCRIPT", "FLUSH") == "OK"
+    assert allow(pg, identity) is True
+
+
+# ------------------------------------------------------------ Redis down
+
+
+def _down_redis(redis_factory):
+    r = redis_factory()
+    r.stop()
+    return r
+
+
+def test_redis_down_on_error_error(pg, redis_factory):
+    r = _down_redis(redis_factory)
+    use_redis(pg, r, on_error="error")
+    identity = new_ident("down")
+    for query in (ALLOW, FIXED_ALLOW, "SELECT rl_fixed(%s, 5, 60000)"):
+        err, elapsed = timed_error(pg, query, (identity,))
+        assert err.sqlstate == "08001", repr(err)
+        assert "127.0.0.1:%d" % r.port in str(err), str(err)
+        assert elapsed < 1.0, elapsed
+    # the session stays usable (and sees Redis once it is back)
+    r.start()
+    assert allow(pg, identity) is True
+
+
+def test_redis_down_on_error_allow(pg, redis_factory):
+    r = _down_redis(redis_factory)
+    use_redis(pg, r, on_error="allow")
+    notices = collect_notices(pg)
+    identity = new_ident("down_allow")
+
+    t0 = time.monotonic()
+    assert allow(pg, identity) is True
+    assert time.monotonic() - t0 < 1.0
+    w = warnings_of(notices)
+    assert len(w) == 1, notices
+    assert "127.0.0.1:%d" % r.port in w[0].message_primary, w[0].message_primary
+
+    t0 = time.monotonic()
+    row = pg.execute(
+        "SELECT (r).allowed, (r).lim, (r).remaining, (r).retry_after_ms "
+        "FROM rl_fixed(%s, 5, 60000, 2) AS r",
+        (identity,),
+    ).fetchone()
+    assert time.monotonic() - t0 < 1.0
+    assert row == (True, 5, 3, 0)  # remaining = max(lim - cost, 0)
+    assert len(warnings_of(notices)) == 2
+
+
+def test_redis_down_on_error_deny(pg, redis_factory):
+    r = _down_redis(redis_factory)
+    use_redis(pg, r, on_error="deny")
+    notices = collect_notices(pg)
+    identity = new_ident("down_deny")
+
+    t0 = time.monotonic()
+    assert allow(pg, identity) is False
+    assert allow(pg, identity, FIXED_ALLOW) is False
+    row = pg.execute(
+        "SELECT (r).allowed, (r).lim, (r).remaining, (r).retry_after_ms "
+        "FROM rl_fixed(%s, 5, 60000) AS r",
+        (identity,),
+    ).fetchone()
+    assert time.monotonic() - t0 < 3.0  # three refused connects
+    assert row == (False, 5, 0, 1000)
+    assert len(warnings_of(notices)) == 3, notices
+
+
+# ------------------------------------------------------------ error replies
+
+
+def test_redis_error_reply(pg, redis_factory):
+    r = redis_factory()
+    use_redis(pg, r, on_error="error")
+    identity = new_ident("wrongtype")
+    assert int(r.cli("RPUSH", "rl:fixed:{%s}" % identity, "x")) == 1
+
+    err, _ = timed_error(pg, "SELECT rl_fixed(%s, 5, 60000)", (identity,))
+    assert err.sqlstate == "08000", repr(err)
+    assert "WRONGTYPE" in str(err), str(err)
+    err, _ = timed_error(pg, "SELECT rl_fixed_allow(%s, 5, 60000)", (identity,))
+    assert err.sqlstate == "08000", repr(err)
+
+    # the session is fine: another key of the same identity works
+    assert allow(pg, identity) is True
+
+    set_gucs(pg, on_error="allow")
+    notices = collect_notices(pg)
+    assert allow(pg, identity, "SELECT rl_fixed_allow(%s, 5, 60000)") is True
+    w = warnings_of(notices)
+    assert len(w) == 1, notices
+    assert "WRONGTYPE" in w[0].message_primary, w[0].message_primary
+    # the list was not touched
+    assert r.cli("LRANGE", "rl:fixed:{%s}" % identity, "0", "-1") == "x"
+
+
+# ------------------------------------------------------------ GUC changes
+
+
+def test_guc_change_reconnects(pg, redis_factory):
+    a = redis_factory()
+    b = redis_factory()
+    identity = new_ident("guc")
+    query = "SELECT rl_sliding_allow(%s, 2, 600000)"
+
+    use_redis(pg, a)
+    assert [allow(pg, identity, query) for _ in range(3)] == [True, True, False]
+    use_redis(pg, b)
+    assert allow(pg, identity, query) is True  # fresh state on B
+    use_redis(pg, a)
+    assert allow(pg, identity, query) is False  # A still remembers
+    use_redis(pg, b)
+    assert allow(pg, identity, query) is True
+    assert allow(pg, identity, query) is False  # B: now 2 used
+
+    assert int(a.cli("ZCARD", "rl:sliding:{%s}" % identity)) >= 1
+    assert int(b.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+
+
+def test_key_prefix_guc(pg, redis_factory):
+    r = redis_factory()
+    use_redis(pg, r, key_prefix="other:")
+    identity = new_ident("prefix")
+    assert allow(pg, identity, "SELECT rl_fixed_allow(%s, 5, 600000)") is True
+    assert int(r.cli("EXISTS", "other:fixed:{%s}" % identity)) == 1
+    assert int(r.cli("EXISTS", "rl:fixed:{%s}" % identity)) == 0
+
+
+# ------------------------------------------------------------ AUTH, privileges
+
+
+def test_auth_password(pg, redis_factory):
+    password = "secret"
+    r = redis_factory(password=password)
+    use_redis(pg, r)
+    identity = new_ident("auth")
+
+    err, elapsed = timed_error(pg, ALLOW, (identity,))
+    assert err.sqlstate == "08001", repr(err)
+    assert password not in str(err)
+    assert elapsed < 1.0
+
+    set_gucs(pg, password="wrong-" + identity)
+    err, _ = timed_error(pg, ALLOW, (identity,))
+    assert err.sqlstate == "08001", repr(err)
+    assert "wrong-" + identity not in str(err)
+    assert password not in str(err)
+
+    pg.execute("SET rl_redis.password = 'secret'")
+    assert allow(pg, identity) is True
+    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+
+
+def test_non_superuser_cannot_set_or_read_connection_gucs(pg, redis_factory):
+    password = "pw-" + new_ident("role").split(":")[-1]
+    r = redis_factory(password=password)
+    role = "rl_pytest_%s" % new_ident().split(":")[-1][:16]
+    pg.execute('CREATE ROLE "%s" LOGIN' % role)
+    # as superuser: the role's sessions use the password-protected Redis
+    pg.execute('ALTER ROLE "%s" SET rl_redis.port = %d' % (role, r.port))
+    pg.execute("ALTER ROLE \"%s\" SET rl_redis.password = '%s'" % (role, password))
+    conn = None
+    try:
+        conn = pg_connect(user=role)
+        assert conn.execute("SELECT current_user").fetchone()[0] == role
+        # this loads the library (so the GUCs are real, not placeholders) and
+        # shows that the superuser-provided password works for the role
+        identity = new_ident("role")
+        assert allow(conn, identity) is True
+
+        for stmt in (
+            "SET rl_redis.port = 1",
+            "SET rl_redis.on_error = 'allow'",
+            "SET rl_redis.password = 'x'",
+            "SET rl_redis.host = '10.0.0.1'",
+        ):
+            with pytest.raises(psycopg.Error) as excinfo:
+                conn.execute(stmt)
+            assert excinfo.value.sqlstate == "42501", (stmt, repr(excinfo.value))
+        with pytest.raises(psycopg.Error) as excinfo:
+            conn.execute("SELECT set_config('rl_redis.on_error', 'deny', false)")
+        assert excinfo.value.sqlstate == "42501"
+
+        # nothing reveals the password
+        for query in (
+            "SHOW rl_redis.password",
+            "SELECT current_setting('rl_redis.password')",
+            "SELECT setting FROM pg_settings WHERE name = 'rl_redis.password'",
+            "SELECT string_agg(setting, ',') FROM pg_settings WHERE name LIKE 'rl_redis.%'",
+        ):
+            try:
+                rows = conn.execute(query).fetchall()
+            except psycopg.Error as e:
+                assert e.sqlstate == "42501", (query, repr(e))
+                assert password not in str(e)
+            else:
+                assert password not in repr(rows), query
+
+        # still usable, still on the protected Redis, nothing changed
+        assert allow(conn, identity) is True
+        assert conn.execute("SHOW rl_redis.port").fetchone()[0] == str(r.port)
+    finally:
+        if conn is not None:
+            conn.close()
+        pg.execute('DROP ROLE "%s"' % role)
+
+
+def test_non_superuser_can_set_timeouts(pg):
+    """api_spec.md: the two timeouts are PGC_USERSET."""
+    role = "rl_pytest_%s" % new_ident().split(":")[-1][:16]
+    pg.execute('CREATE ROLE "%s" LOGIN' % role)
+    conn = None
+    try:
+        conn = pg_connect(user=role)
+        identity = new_ident("userset")
+        assert allow(conn, identity) is True  # loads the library
+        conn.execute("SET rl_redis.command_timeout = 1500")
+        conn.execute("SET rl_redis.connect_timeout = 1500")
+        assert conn.execute("SHOW rl_redis.command_timeout").fetchone()[0] == "1500ms"
+        assert conn.execute("SHOW rl_redis.connect_timeout").fetchone()[0] == "1500ms"
+        assert allow(conn, identity) is True
+    finally:
+        if conn is not None:
+            conn.close()
+        pg.execute('DROP ROLE "%s"' % role)
+
+
+# ------------------------------------------------------------ Unix socket
+
+
+def test_unix_socket(pg, redis_factory):
+    r = redis_factory(unix_socket=True)
+    set_gucs(pg, host=r.unix_socket)
+    identity = new_ident("unix")
+    query = "SELECT rl_sliding_allow(%s, 2, 600000)"
+    assert [allow(pg, identity, query) for _ in range(3)] == [True, True, False]
+    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+    assert pg.execute("SELECT (rl_redis_ping()).server").fetchone()[0] is not None
