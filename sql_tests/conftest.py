@@ -216,6 +216,7 @@ class RedisServer:
     def start(self, timeout=15.0):
         """Starts the server (again, on the same port / socket)."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
+        first_start = self.proc is None
         deadline = time.monotonic() + timeout
         while True:
             self.proc = subprocess.Popen(
@@ -228,26 +229,28 @@ class RedisServer:
             self.paused = False
             if self._wait_ready(deadline):
                 return self
-            # exited early (port taken?): retry on the same port until the deadline
+            self.stop()
             if time.monotonic() >= deadline:
-                self.stop()
                 raise RuntimeError(
                     "redis-server in %s did not start; log:\n%s" % (self.dir, self.log())
                 )
+            if first_start and not self.unix_socket:
+                self.port = free_port()  # somebody else took the port: pick another
             time.sleep(0.2)
 
     def _wait_ready(self, deadline):
+        """True once our process answers (and not some other server that
+        happens to listen on the port)."""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
             try:
-                reply = self.command("PING", timeout=1.0)
-                if reply == "PONG":
+                info = self.command("INFO", "server", timeout=1.0)
+                if "process_id:%d\r\n" % self.proc.pid in info:
                     return True
-            except RespError as e:
-                if "NOAUTH" in str(e):  # started with --requirepass
-                    return True
-            except OSError:
+                if self.proc.poll() is not None:
+                    return False
+            except (OSError, RespError):
                 pass
             time.sleep(0.05)
         return False

@@ -123,6 +123,32 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 }
 
 /*
+ * Fills failure from a Redis error reply and frees the reply. A refused
+ * authentication is a connection failure (08001); anything else Redis
+ * refuses (OOM, READONLY, WRONGTYPE, NOPERM ...) is reported with its text.
+ */
+static void
+rl_error_reply(redisReply *reply, RlFailure *failure)
+{
+	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
+		strncmp(reply->str, "WRONGPASS", 9) == 0)
+	{
+		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+		snprintf(failure->message, sizeof(failure->message),
+				 "could not authenticate to Redis at %s: %s",
+				 rl_server_name(), reply->str);
+	}
+	else
+	{
+		failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
+		snprintf(failure->message, sizeof(failure->message),
+				 "Redis at %s returned an error: %s",
+				 rl_server_name(), reply->str);
+	}
+	freeReplyObject(reply);
+}
+
+/*
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not the five integers the scripts return.
  */
@@ -133,11 +159,7 @@ rl_parse_decision(redisReply *reply, RlDecision *d, RlFailure *failure)
 
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
-		failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
-		snprintf(failure->message, sizeof(failure->message),
-				 "Redis at %s returned an error: %s",
-				 rl_server_name(), reply->str);
-		freeReplyObject(reply);
+		rl_error_reply(reply, failure);
 		return false;
 	}
 	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
@@ -312,11 +334,7 @@ rl_admin_command(int argc, const char **argv, const size_t *argvlen)
 		rl_raise(&failure);
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
-		failure.sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
-		snprintf(failure.message, sizeof(failure.message),
-				 "Redis at %s returned an error: %s",
-				 rl_server_name(), reply->str);
-		freeReplyObject(reply);
+		rl_error_reply(reply, &failure);
 		rl_raise(&failure);
 	}
 	freeReplyObject(reply);
