@@ -7,7 +7,9 @@ OBJS = \
 	src/guc.o \
 	src/transport.o \
 	src/scripts.o \
-	src/limits.o
+	src/limits.o \
+	src/policy.o \
+	src/concurrency.o
 
 DATA = $(wildcard sql/rl_redis--*.sql)
 PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"
@@ -29,7 +31,7 @@ include $(PGXS)
 # The Lua scripts are compiled into the library as C strings, with their SHA1
 # digests computed here so that EVALSHA needs no work at run time.
 src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh
-	sh src/embed_lua.sh $(LUA_SCRIPTS) > $@.tmp && mv $@.tmp $@
+	sh src/embed_lua.sh lua > $@.tmp && mv $@.tmp $@
 
 src/scripts.o: src/lua_scripts.h
 

@@ -1,45 +1,43 @@
 -- Fixed window counter.
--- One hash per identity: w = start of the current window (ms on the clock
--- below), n = units used in it. A call in a later window starts from zero.
--- KEYS[1]  the identity's key
--- ARGV[1]  lim        units allowed per window
--- ARGV[2]  window_ms  window length
--- ARGV[3]  cost       units this call takes (0 = look only)
--- ARGV[4]  now_us     optional test clock in microseconds; else Redis TIME
--- Returns {allowed, lim, remaining, reset_ms, retry_after_ms}.
-local key = KEYS[1]
-local lim = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
-local now
-if ARGV[4] then
-  now = tonumber(ARGV[4]) / 1000
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-end
-
-local start = math.floor(now / window) * window
-local left = math.ceil(start + window - now)   -- ms until this window ends
-local used = 0
-local state = redis.call('HMGET', key, 'w', 'n')
-if tonumber(state[1]) == start then
-  used = tonumber(state[2]) or 0
-end
-
-if used + cost <= lim then
-  if cost > 0 then
-    used = used + cost
-    redis.call('HSET', key, 'w', string.format('%.0f', start), 'n', used)
-    redis.call('PEXPIRE', key, left)
+-- State: a hash with w = start of the current window (ms) and n = units used
+-- in it. Windows start at multiples of window_ms on the clock; a call in a
+-- later window starts from zero. The key expires at its window's end.
+ALG.fixed = function(key, lim, window_ms, cost, burst, now)
+  local now_ms = now / 1000
+  local start = math.floor(now_ms / window_ms) * window_ms
+  local left = math.ceil(start + window_ms - now_ms)
+  local used = 0
+  local state = redis.call('HMGET', key, 'w', 'n')
+  if tonumber(state[1]) == start then
+    used = tonumber(state[2]) or 0
   end
-  local reset = 0
-  if used > 0 then reset = left end
-  return {1, lim, lim - used, reset, 0}
-end
 
-local retry = left
-if cost > lim then retry = -1 end
-local reset = 0
-if used > 0 then reset = left end
-return {0, lim, math.max(lim - used, 0), reset, retry}
+  local function result(allowed, n, retry)
+    local reset = 0
+    if n > 0 then reset = left end
+    return {allowed, lim, math.max(lim - n, 0), reset, retry}
+  end
+  local function save(n)
+    return function()
+      if n > 0 then
+        redis.call('HSET', key, 'w', num(start), 'n', n)
+        redis.call('PEXPIRE', key, left)
+      else
+        redis.call('DEL', key)
+      end
+    end
+  end
+
+  if cost < 0 then
+    local n = math.max(used + cost, 0)
+    return result(1, n, 0), save(n)
+  end
+  if used + cost <= lim then
+    local commit = nil
+    if cost > 0 then commit = save(used + cost) end
+    return result(1, used + cost, 0), commit
+  end
+  local retry = left
+  if cost > lim then retry = -1 end
+  return result(0, used, retry), nil
+end

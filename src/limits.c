@@ -1,43 +1,37 @@
 /*
  * limits.c
- *	  The SQL-callable functions: rate-limit decisions, reset and ping.
+ *	  Decisions by explicit arguments, refunds, reset and ping.
  *
  * A decision checks its arguments, builds the identity's key, runs the
  * algorithm's script in Redis and turns the reply into an rl_result (or a
  * boolean). When Redis cannot give an answer, rl_redis.on_error decides:
- * raise the error, or log a warning and allow or deny.
+ * raise the error, or log a warning and allow or deny. The helpers here are
+ * shared with policy.c and concurrency.c.
  */
 #include "postgres.h"
 
 #include "access/htup_details.h"
-#include "fmgr.h"
 #include "funcapi.h"
-#include "lib/stringinfo.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
 #include "rl_redis.h"
 
-PG_FUNCTION_INFO_V1(rl_fixed);
-PG_FUNCTION_INFO_V1(rl_fixed_allow);
-PG_FUNCTION_INFO_V1(rl_sliding);
-PG_FUNCTION_INFO_V1(rl_sliding_allow);
-PG_FUNCTION_INFO_V1(rl_reset);
-PG_FUNCTION_INFO_V1(rl_redis_ping);
+/* The algorithms; their names appear in keys, rl_policy and the scripts. */
+const RlAlgorithm rl_algorithms[] = {
+	{"fixed", &rl_script_fixed_window},
+	{"sliding", &rl_script_sliding_window},
+	{"token_bucket", &rl_script_token_bucket},
+	{"gcra", &rl_script_gcra},
+	{"sliding_counter", &rl_script_sliding_counter},
+};
+const int	rl_num_algorithms = lengthof(rl_algorithms);
 
-/* One decision, as the scripts return it. */
-typedef struct RlDecision
+enum
 {
-	bool		allowed;
-	int32		lim;
-	int32		remaining;
-	int64		reset_ms;
-	int64		retry_after_ms;
-} RlDecision;
-
-/* The algorithm names used in keys; rl_reset deletes one key for each. */
-static const char *const rl_algorithms[] = {"fixed", "sliding"};
+	RL_FIXED, RL_SLIDING, RL_TOKEN_BUCKET, RL_GCRA, RL_SLIDING_COUNTER
+};
 
 /* reused for every key, so that a call allocates nothing */
 static StringInfoData keybuf;
@@ -55,22 +49,61 @@ rl_check_not_null(FunctionCallInfo fcinfo, int argno, const char *name)
 				 errmsg("%s must not be null", name)));
 }
 
-/* Raises 22023 when the identity is empty. */
-static void
-rl_check_identity(text *identity)
+/* Returns argument argno as a non-empty, non-null identity. */
+text *
+rl_get_identity(FunctionCallInfo fcinfo, int argno)
 {
+	text	   *identity;
+
+	rl_check_not_null(fcinfo, argno, "identity");
+	identity = PG_GETARG_TEXT_PP(argno);
 	if (VARSIZE_ANY_EXHDR(identity) == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("identity must not be empty")));
+	return identity;
+}
+
+/* Returns argument argno as a cost (or amount): not null, not negative. */
+int32
+rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	int32		cost;
+
+	rl_check_not_null(fcinfo, argno, name);
+	cost = PG_GETARG_INT32(argno);
+	if (cost < 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must not be negative", name)));
+	return cost;
+}
+
+/* Raises 22023 when a limit's numbers are out of range. */
+void
+rl_check_limit(const RlLimit *limit)
+{
+	if (limit->lim <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("lim must be greater than zero")));
+	if (limit->window_ms <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("window_ms must be greater than zero")));
+	if (limit->burst < 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("burst must be greater than zero")));
 }
 
 /*
- * Builds <key_prefix><algorithm>:{<identity>} in keybuf. The braces make
- * every key of one identity hash to the same Redis Cluster slot.
+ * Builds <key_prefix><kind>:{<identity>}[:<suffix>] in a buffer that the
+ * next call reuses. The braces make every key of one identity hash to the
+ * same Redis Cluster slot.
  */
-static void
-rl_build_key(const char *algorithm, text *identity)
+StringInfo
+rl_build_key(const char *kind, text *identity, const char *suffix)
 {
 	if (keybuf.data == NULL)
 	{
@@ -81,32 +114,55 @@ rl_build_key(const char *algorithm, text *identity)
 	}
 	resetStringInfo(&keybuf);
 	appendStringInfoString(&keybuf, rl_key_prefix);
-	appendStringInfoString(&keybuf, algorithm);
+	appendStringInfoString(&keybuf, kind);
 	appendBinaryStringInfo(&keybuf, ":{", 2);
 	appendBinaryStringInfo(&keybuf, VARDATA_ANY(identity),
 						   VARSIZE_ANY_EXHDR(identity));
 	appendStringInfoChar(&keybuf, '}');
+	if (suffix != NULL)
+	{
+		appendStringInfoChar(&keybuf, ':');
+		appendStringInfoString(&keybuf, suffix);
+	}
+	return &keybuf;
+}
+
+/* Writes the scripts' clock argument into buf: the test clock, or "". */
+size_t
+rl_clock_arg(char *buf)
+{
+	if (rl_test_clock_ms > 0)
+		return pg_lltoa((int64) (rl_test_clock_ms * 1000.0), buf);
+	buf[0] = '\0';
+	return 0;
+}
+
+/* Raises a failure as an error. */
+void
+rl_raise(const RlFailure *failure)
+{
+	ereport(ERROR,
+			(errcode(failure->sqlerrcode),
+			 errmsg_internal("%s", failure->message)));
 }
 
 /*
  * Applies rl_redis.on_error to a failed call: raises the failure, or logs it
  * and fills d with the configured decision.
  */
-static void
+void
 rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 				  RlDecision *d)
 {
 	if (rl_on_error == RL_ON_ERROR_ERROR)
-		ereport(ERROR,
-				(errcode(failure->sqlerrcode),
-				 errmsg_internal("%s", failure->message)));
+		rl_raise(failure);
 
 	d->allowed = (rl_on_error == RL_ON_ERROR_ALLOW);
 	d->lim = lim;
 	d->reset_ms = 0;
 	if (d->allowed)
 	{
-		d->remaining = Max(lim - cost, 0);
+		d->remaining = Max(lim - Max(cost, 0), 0);
 		d->retry_after_ms = 0;
 	}
 	else
@@ -127,7 +183,7 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
  * authentication is a connection failure (08001); anything else Redis
  * refuses (OOM, READONLY, WRONGTYPE, NOPERM ...) is reported with its text.
  */
-static void
+void
 rl_error_reply(redisReply *reply, RlFailure *failure)
 {
 	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
@@ -152,7 +208,7 @@ rl_error_reply(redisReply *reply, RlFailure *failure)
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not the five integers the scripts return.
  */
-static bool
+bool
 rl_parse_decision(redisReply *reply, RlDecision *d, RlFailure *failure)
 {
 	int			i;
@@ -186,66 +242,50 @@ bad:
 }
 
 /*
- * Checks the (identity, lim, window_ms, cost) arguments, runs script for
- * them and fills d with the decision, applying on_error when Redis fails.
+ * Runs limit's script for identity (key suffix: a policy name, or NULL) and
+ * fills d; cost < 0 gives units back. Applies on_error when Redis fails.
  */
-static void
-rl_decide(FunctionCallInfo fcinfo, const RlScript *script,
-		  const char *algorithm, RlDecision *d)
+void
+rl_decide_limit(const RlLimit *limit, text *identity, const char *suffix,
+				int32 cost, RlDecision *d)
 {
-	text	   *identity;
-	int32		lim;
-	int64		window_ms;
-	int32		cost;
+	const char *argv[10];
+	size_t		argvlen[10];
 	char		lim_s[16],
 				window_s[24],
 				cost_s[16],
+				burst_s[16],
 				now_s[24];
-	const char *args[4] = {lim_s, window_s, cost_s, now_s};
-	size_t		arglens[4];
-	int			nargs = 3;
+	StringInfo	key = rl_build_key(limit->algorithm->name, identity, suffix);
 	redisReply *reply;
 	RlFailure	failure;
 
-	rl_check_not_null(fcinfo, 0, "identity");
-	rl_check_not_null(fcinfo, 1, "lim");
-	rl_check_not_null(fcinfo, 2, "window_ms");
-	rl_check_not_null(fcinfo, 3, "cost");
+	argv[2] = "1";
+	argvlen[2] = 1;
+	argv[3] = key->data;
+	argvlen[3] = key->len;
+	argv[4] = limit->algorithm->name;
+	argvlen[4] = strlen(limit->algorithm->name);
+	argv[5] = lim_s;
+	argvlen[5] = pg_ltoa(limit->lim, lim_s);
+	argv[6] = window_s;
+	argvlen[6] = pg_lltoa(limit->window_ms, window_s);
+	argv[7] = cost_s;
+	argvlen[7] = pg_ltoa(cost, cost_s);
+	argv[8] = burst_s;
+	argvlen[8] = pg_ltoa(limit->burst, burst_s);
+	argv[9] = now_s;
+	argvlen[9] = rl_clock_arg(now_s);
 
-	identity = PG_GETARG_TEXT_PP(0);
-	lim = PG_GETARG_INT32(1);
-	window_ms = PG_GETARG_INT64(2);
-	cost = PG_GETARG_INT32(3);
-
-	rl_check_identity(identity);
-	if (lim <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lim must be greater than zero")));
-	if (window_ms <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("window_ms must be greater than zero")));
-	if (cost < 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("cost must not be negative")));
-
-	rl_build_key(algorithm, identity);
-	arglens[0] = pg_ltoa(lim, lim_s);
-	arglens[1] = pg_lltoa(window_ms, window_s);
-	arglens[2] = pg_ltoa(cost, cost_s);
-	if (rl_test_clock_ms > 0)
-		arglens[nargs++] = pg_lltoa((int64) (rl_test_clock_ms * 1000.0), now_s);
-
-	reply = rl_run_script(script, keybuf.data, keybuf.len, nargs, args,
-						  arglens, &failure);
+	reply = rl_run_script(limit->algorithm->script, 10, argv, argvlen,
+						  &failure);
 	if (reply == NULL || !rl_parse_decision(reply, d, &failure))
-		rl_apply_on_error(&failure, lim, cost, d);
+		rl_apply_on_error(&failure, limit->burst > 0 ? limit->burst : limit->lim,
+						  cost, d);
 }
 
 /* Returns d as an rl_result datum. */
-static Datum
+Datum
 rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d)
 {
 	TupleDesc	tupdesc = (TupleDesc) fcinfo->flinfo->fn_extra;
@@ -271,58 +311,79 @@ rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d)
 	return HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls));
 }
 
-/* rl_fixed(identity, lim, window_ms, cost): fixed-window decision. */
-Datum
-rl_fixed(PG_FUNCTION_ARGS)
-{
-	RlDecision	d;
-
-	rl_decide(fcinfo, &rl_script_fixed_window, "fixed", &d);
-	return rl_result_datum(fcinfo, &d);
-}
-
-/* rl_fixed_allow(identity, lim, window_ms, cost): allowed or not. */
-Datum
-rl_fixed_allow(PG_FUNCTION_ARGS)
-{
-	RlDecision	d;
-
-	rl_decide(fcinfo, &rl_script_fixed_window, "fixed", &d);
-	PG_RETURN_BOOL(d.allowed);
-}
-
-/* rl_sliding(identity, lim, window_ms, cost): sliding-log decision. */
-Datum
-rl_sliding(PG_FUNCTION_ARGS)
-{
-	RlDecision	d;
-
-	rl_decide(fcinfo, &rl_script_sliding_window, "sliding", &d);
-	return rl_result_datum(fcinfo, &d);
-}
-
-/* rl_sliding_allow(identity, lim, window_ms, cost): allowed or not. */
-Datum
-rl_sliding_allow(PG_FUNCTION_ARGS)
-{
-	RlDecision	d;
-
-	rl_decide(fcinfo, &rl_script_sliding_window, "sliding", &d);
-	PG_RETURN_BOOL(d.allowed);
-}
-
-/* Raises a failed administrative call as an error, whatever on_error says. */
+/*
+ * Decides (or refunds) for the arguments (identity, lim, window_ms,
+ * cost-or-amount [, burst]) of the SQL function being called.
+ */
 static void
-rl_raise(const RlFailure *failure)
+rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
+			   RlDecision *d)
 {
-	ereport(ERROR,
-			(errcode(failure->sqlerrcode),
-			 errmsg_internal("%s", failure->message)));
+	RlLimit		limit;
+	text	   *identity;
+	int32		cost;
+
+	identity = rl_get_identity(fcinfo, 0);
+	rl_check_not_null(fcinfo, 1, "lim");
+	rl_check_not_null(fcinfo, 2, "window_ms");
+	limit.algorithm = &rl_algorithms[algorithm];
+	limit.lim = PG_GETARG_INT32(1);
+	limit.window_ms = PG_GETARG_INT64(2);
+	limit.burst = 0;
+	/* burst: NULL means the same as lim */
+	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
+	{
+		limit.burst = PG_GETARG_INT32(4);
+		if (limit.burst <= 0)
+			limit.burst = -1;	/* rejected by rl_check_limit */
+	}
+	rl_check_limit(&limit);
+	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
+
+	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, d);
 }
 
 /*
+ * For each algorithm, three SQL functions over rl_decide_args:
+ *   rl_<alg>(identity, lim, window_ms, cost [, burst])        -> rl_result
+ *   rl_<alg>_allow(identity, lim, window_ms, cost [, burst])  -> boolean
+ *   rl_<alg>_refund(identity, lim, window_ms, amount [, burst]) -> rl_result
+ */
+#define RL_ALGORITHM_FUNCTIONS(alg, index) \
+PG_FUNCTION_INFO_V1(rl_##alg); \
+Datum \
+rl_##alg(PG_FUNCTION_ARGS) \
+{ \
+	RlDecision	d; \
+	rl_decide_args(fcinfo, index, false, &d); \
+	return rl_result_datum(fcinfo, &d); \
+} \
+PG_FUNCTION_INFO_V1(rl_##alg##_allow); \
+Datum \
+rl_##alg##_allow(PG_FUNCTION_ARGS) \
+{ \
+	RlDecision	d; \
+	rl_decide_args(fcinfo, index, false, &d); \
+	PG_RETURN_BOOL(d.allowed); \
+} \
+PG_FUNCTION_INFO_V1(rl_##alg##_refund); \
+Datum \
+rl_##alg##_refund(PG_FUNCTION_ARGS) \
+{ \
+	RlDecision	d; \
+	rl_decide_args(fcinfo, index, true, &d); \
+	return rl_result_datum(fcinfo, &d); \
+}
+
+RL_ALGORITHM_FUNCTIONS(fixed, RL_FIXED)
+RL_ALGORITHM_FUNCTIONS(sliding, RL_SLIDING)
+RL_ALGORITHM_FUNCTIONS(token_bucket, RL_TOKEN_BUCKET)
+RL_ALGORITHM_FUNCTIONS(gcra, RL_GCRA)
+RL_ALGORITHM_FUNCTIONS(sliding_counter, RL_SLIDING_COUNTER)
+
+/*
  * Sends a command whose reply must not be an error and frees the reply;
- * raises on any failure.
+ * raises on any failure, whatever on_error says.
  */
 static void
 rl_admin_command(int argc, const char **argv, const size_t *argvlen)
@@ -340,32 +401,54 @@ rl_admin_command(int argc, const char **argv, const size_t *argvlen)
 	freeReplyObject(reply);
 }
 
-/* rl_reset(identity): deletes the identity's state of every algorithm. */
+/* Returns keys with a copy of key appended. */
+List *
+rl_keep_key(List *keys, StringInfo key)
+{
+	StringInfo	copy = makeStringInfo();
+
+	appendBinaryStringInfo(copy, key->data, key->len);
+	return lappend(keys, copy);
+}
+
+PG_FUNCTION_INFO_V1(rl_reset);
+
+/*
+ * rl_reset(identity): deletes the identity's state of every algorithm, of
+ * every named policy and of its concurrency slots.
+ */
 Datum
 rl_reset(PG_FUNCTION_ARGS)
 {
-	const char *argv[1 + lengthof(rl_algorithms)];
-	size_t		argvlen[1 + lengthof(rl_algorithms)];
-	char	   *keys[lengthof(rl_algorithms)];
-	text	   *identity;
+	text	   *identity = rl_get_identity(fcinfo, 0);
+	List	   *keys = NIL;
+	const char **argv;
+	size_t	   *argvlen;
+	ListCell   *lc;
 	int			i;
 
-	rl_check_not_null(fcinfo, 0, "identity");
-	identity = PG_GETARG_TEXT_PP(0);
-	rl_check_identity(identity);
+	for (i = 0; i < rl_num_algorithms; i++)
+		keys = rl_keep_key(keys, rl_build_key(rl_algorithms[i].name, identity, NULL));
+	keys = rl_keep_key(keys, rl_build_key("concurrency", identity, NULL));
+	rl_policy_reset_keys(fcinfo, identity, &keys);
 
+	argv = palloc(sizeof(char *) * (list_length(keys) + 1));
+	argvlen = palloc(sizeof(size_t) * (list_length(keys) + 1));
 	argv[0] = "DEL";
 	argvlen[0] = 3;
-	for (i = 0; i < lengthof(rl_algorithms); i++)
+	i = 1;
+	foreach(lc, keys)
 	{
-		rl_build_key(rl_algorithms[i], identity);
-		keys[i] = pnstrdup(keybuf.data, keybuf.len);
-		argv[i + 1] = keys[i];
-		argvlen[i + 1] = keybuf.len;
+		StringInfo	key = (StringInfo) lfirst(lc);
+
+		argv[i] = key->data;
+		argvlen[i++] = key->len;
 	}
-	rl_admin_command(1 + lengthof(rl_algorithms), argv, argvlen);
+	rl_admin_command(i, argv, argvlen);
 	PG_RETURN_VOID();
 }
+
+PG_FUNCTION_INFO_V1(rl_redis_ping);
 
 /*
  * rl_redis_ping(): checks the connection and returns the server and the

@@ -1,6 +1,6 @@
 /*
  * rl_redis.c
- *	  Module entry point: defines the settings and hooks up the transport.
+ *	  Module entry point: defines the settings and registers the callbacks.
  */
 #include "postgres.h"
 
@@ -18,4 +18,6 @@ _PG_init(void)
 {
 	rl_define_gucs();
 	rl_transport_init();
+	rl_policy_init();
+	rl_concurrency_init();
 }

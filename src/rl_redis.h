@@ -5,7 +5,9 @@
  * src/guc.c        the rl_redis.* settings
  * src/transport.c  the per-backend Redis connection and its socket I/O
  * src/scripts.c    the Lua script registry (EVALSHA, reload on NOSCRIPT)
- * src/limits.c     the SQL-callable functions
+ * src/limits.c     decisions by explicit arguments, reset and ping
+ * src/policy.c     named policies (rl_policy) and several limits at once
+ * src/concurrency.c  concurrency limits (slots held by a transaction)
  */
 #ifndef RL_REDIS_H
 #define RL_REDIS_H
@@ -13,6 +15,10 @@
 #include "postgres.h"
 
 #include <hiredis/hiredis.h>
+
+#include "fmgr.h"
+#include "lib/stringinfo.h"
+#include "nodes/pg_list.h"
 
 /* rl_redis.on_error */
 typedef enum RlOnError
@@ -57,16 +63,77 @@ extern const char *rl_server_name(void);
 /* scripts (scripts.c) */
 typedef struct RlScript
 {
-	const char *name;
 	const char *body;
 	const char *sha;
 } RlScript;
 
 extern const RlScript rl_script_fixed_window;
 extern const RlScript rl_script_sliding_window;
+extern const RlScript rl_script_token_bucket;
+extern const RlScript rl_script_gcra;
+extern const RlScript rl_script_sliding_counter;
+extern const RlScript rl_script_check_all;
+extern const RlScript rl_script_concurrency;
 
-extern redisReply *rl_run_script(const RlScript *script, const char *key,
-								 size_t keylen, int nargs, const char **args,
-								 const size_t *arglens, RlFailure *failure);
+/* argv[0] and argv[1] are left for rl_run_script to fill in */
+#define RL_SCRIPT_ARGV_RESERVED 2
+
+extern redisReply *rl_run_script(const RlScript *script, int argc,
+								 const char **argv, size_t *argvlen,
+								 RlFailure *failure);
+
+/* decisions (limits.c) */
+typedef struct RlAlgorithm
+{
+	const char *name;			/* in keys, in rl_policy.algorithm and in Lua */
+	const RlScript *script;		/* its one-algorithm script */
+} RlAlgorithm;
+
+extern const RlAlgorithm rl_algorithms[];
+extern const int rl_num_algorithms;
+
+/* One decision, as the scripts return it. */
+typedef struct RlDecision
+{
+	bool		allowed;
+	int32		lim;
+	int32		remaining;
+	int64		reset_ms;
+	int64		retry_after_ms;
+} RlDecision;
+
+/* The arguments of one limit. */
+typedef struct RlLimit
+{
+	const RlAlgorithm *algorithm;
+	int32		lim;
+	int64		window_ms;
+	int32		burst;			/* 0 when none */
+} RlLimit;
+
+extern StringInfo rl_build_key(const char *kind, text *identity,
+							   const char *suffix);
+extern List *rl_keep_key(List *keys, StringInfo key);
+extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
+extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
+extern void rl_check_limit(const RlLimit *limit);
+extern void rl_decide_limit(const RlLimit *limit, text *identity,
+							const char *suffix, int32 cost, RlDecision *d);
+extern bool rl_parse_decision(redisReply *reply, RlDecision *d,
+							  RlFailure *failure);
+extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
+							  int32 cost, RlDecision *d);
+extern void rl_raise(const RlFailure *failure);
+extern void rl_error_reply(redisReply *reply, RlFailure *failure);
+extern size_t rl_clock_arg(char *buf);
+extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
+
+/* named policies (policy.c) */
+extern void rl_policy_init(void);
+extern void rl_policy_reset_keys(FunctionCallInfo fcinfo, text *identity,
+								 List **keys);
+
+/* concurrency limits (concurrency.c) */
+extern void rl_concurrency_init(void);
 
 #endif							/* RL_REDIS_H */

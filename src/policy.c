@@ -1,0 +1,404 @@
+/*
+ * policy.c
+ *	  Named policies (the rl_policy table) and several limits at once.
+ *
+ * A policy names an algorithm and its numbers; rl_check(policy, identity)
+ * decides with them, on a key of its own:
+ *   <key_prefix><algorithm>:{<identity>}:<policy>
+ * Policies are read from rl_policy once and cached per backend. A trigger on
+ * the table sends a relcache invalidation for it on every change, so every
+ * session drops its cache and reads the table again on its next call.
+ */
+#include "postgres.h"
+
+#include "access/htup_details.h"
+#include "catalog/pg_type.h"
+#include "commands/trigger.h"
+#include "executor/spi.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/hsearch.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+
+#include "rl_redis.h"
+
+/* rl_policy.name is limited to this many bytes (a CHECK constraint) */
+#define RL_POLICY_NAME_LEN 64
+
+typedef struct RlPolicy
+{
+	char		name[RL_POLICY_NAME_LEN];	/* hash key */
+	RlLimit		limit;
+} RlPolicy;
+
+static HTAB *policy_cache = NULL;
+static bool policy_cache_stale = true;
+static Oid	policy_schema = InvalidOid;
+static Oid	policy_relid = InvalidOid;
+
+/* Marks the cache stale when rl_policy (or every relation) is invalidated. */
+static void
+rl_policy_invalidate(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == policy_relid)
+		policy_cache_stale = true;
+}
+
+/* Registers the invalidation callback; called once from _PG_init. */
+void
+rl_policy_init(void)
+{
+	CacheRegisterRelcacheCallback(rl_policy_invalidate, (Datum) 0);
+}
+
+/*
+ * Makes the cache empty and current when it is stale. The extension's
+ * schema is found from the SQL function being called.
+ */
+static void
+rl_policy_refresh(FunctionCallInfo fcinfo)
+{
+	HASHCTL		ctl;
+
+	if (!policy_cache_stale && policy_cache != NULL)
+		return;
+	if (policy_cache != NULL)
+		hash_destroy(policy_cache);
+
+	ctl.keysize = RL_POLICY_NAME_LEN;
+	ctl.entrysize = sizeof(RlPolicy);
+	ctl.hcxt = TopMemoryContext;
+	policy_cache = hash_create("rl_redis policies", 32, &ctl,
+							   HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
+	policy_schema = get_func_namespace(fcinfo->flinfo->fn_oid);
+	policy_relid = get_relname_relid("rl_policy", policy_schema);
+	policy_cache_stale = false;
+}
+
+/* Returns the rl_policy table's schema-qualified name, for queries. */
+static char *
+rl_policy_table(void)
+{
+	return psprintf("%s.rl_policy",
+					quote_identifier(get_namespace_name(policy_schema)));
+}
+
+/* Returns the index of algorithm name in rl_algorithms. */
+static const RlAlgorithm *
+rl_find_algorithm(const char *name)
+{
+	int			i;
+
+	for (i = 0; i < rl_num_algorithms; i++)
+		if (strcmp(rl_algorithms[i].name, name) == 0)
+			return &rl_algorithms[i];
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("unknown rate-limit algorithm \"%s\"", name)));
+	return NULL;				/* keep compiler quiet */
+}
+
+/*
+ * Returns the policy named name (text), from the cache or from rl_policy;
+ * raises 42704 when there is none. The result is a copy: the cache may be
+ * dropped by the next invalidation.
+ */
+static RlPolicy
+rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
+{
+	char		key[RL_POLICY_NAME_LEN];
+	int			len = VARSIZE_ANY_EXHDR(name);
+	RlPolicy   *entry;
+	RlPolicy	found;
+	Oid			argtypes[1] = {TEXTOID};
+	Datum		args[1];
+	bool		isnull;
+	HeapTuple	tuple;
+	TupleDesc	tupdesc;
+
+	if (len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("policy must not be empty")));
+	if (len >= RL_POLICY_NAME_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_OBJECT),
+				 errmsg("rate-limit policy \"%s\" does not exist",
+						text_to_cstring(name))));
+	memcpy(key, VARDATA_ANY(name), len);
+	key[len] = '\0';
+
+	rl_policy_refresh(fcinfo);
+	entry = hash_search(policy_cache, key, HASH_FIND, NULL);
+	if (entry != NULL)
+		return *entry;
+
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	args[0] = PointerGetDatum(name);
+	if (SPI_execute_with_args(psprintf("SELECT algorithm, lim, window_ms, burst FROM %s WHERE name = $1",
+									   rl_policy_table()),
+							  1, argtypes, args, NULL, true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read rl_policy");
+	if (SPI_processed == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_OBJECT),
+				 errmsg("rate-limit policy \"%s\" does not exist", key),
+				 errhint("Policies are rows of the rl_policy table.")));
+
+	tuple = SPI_tuptable->vals[0];
+	tupdesc = SPI_tuptable->tupdesc;
+	memset(&found, 0, sizeof(found));
+	strlcpy(found.name, key, sizeof(found.name));
+	found.limit.algorithm = rl_find_algorithm(SPI_getvalue(tuple, tupdesc, 1));
+	found.limit.lim = DatumGetInt32(SPI_getbinval(tuple, tupdesc, 2, &isnull));
+	found.limit.window_ms = DatumGetInt64(SPI_getbinval(tuple, tupdesc, 3, &isnull));
+	found.limit.burst = DatumGetInt32(SPI_getbinval(tuple, tupdesc, 4, &isnull));
+	if (isnull)
+		found.limit.burst = 0;
+	SPI_finish();
+
+	/* an invalidation during the query may have made the cache stale */
+	rl_policy_refresh(fcinfo);
+	entry = hash_search(policy_cache, key, HASH_ENTER, NULL);
+	*entry = found;
+	return found;
+}
+
+/* Returns the policy named by argument argno, which must not be NULL. */
+static RlPolicy
+rl_policy_arg(FunctionCallInfo fcinfo, int argno)
+{
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("policy must not be null")));
+	return rl_policy_lookup(fcinfo, PG_GETARG_TEXT_PP(argno));
+}
+
+/* rl_check(policy, identity, cost) and friends: one policy's decision. */
+static void
+rl_check_policy(FunctionCallInfo fcinfo, bool refund, RlDecision *d)
+{
+	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
+	text	   *identity = rl_get_identity(fcinfo, 1);
+	int32		cost = rl_get_cost(fcinfo, 2, refund ? "amount" : "cost");
+
+	rl_decide_limit(&policy.limit, identity, policy.name,
+					refund ? -cost : cost, d);
+}
+
+PG_FUNCTION_INFO_V1(rl_check);
+
+/* rl_check(policy, identity, cost): the policy's decision as rl_result. */
+Datum
+rl_check(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
+
+	rl_check_policy(fcinfo, false, &d);
+	return rl_result_datum(fcinfo, &d);
+}
+
+PG_FUNCTION_INFO_V1(rl_allow);
+
+/* rl_allow(policy, identity, cost): the policy's decision as boolean. */
+Datum
+rl_allow(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
+
+	rl_check_policy(fcinfo, false, &d);
+	PG_RETURN_BOOL(d.allowed);
+}
+
+PG_FUNCTION_INFO_V1(rl_refund);
+
+/* rl_refund(policy, identity, amount): gives units back to the policy. */
+Datum
+rl_refund(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
+
+	rl_check_policy(fcinfo, true, &d);
+	return rl_result_datum(fcinfo, &d);
+}
+
+/*
+ * Decides every policy in the array for one identity in one script call:
+ * the cost is taken from all of them or from none. d is the most
+ * restrictive policy's result.
+ */
+static void
+rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
+{
+	ArrayType  *array;
+	Datum	   *names;
+	bool	   *nulls;
+	int			n;
+	text	   *identity;
+	int32		cost;
+	RlPolicy   *policies;
+	int			npolicies = 0;
+	const char **argv;
+	size_t	   *argvlen;
+	int			argc;
+	char		cost_s[16],
+				now_s[24];
+	redisReply *reply;
+	RlFailure	failure;
+	int			i,
+				j;
+
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("policies must not be null")));
+	array = PG_GETARG_ARRAYTYPE_P(0);
+	deconstruct_array(array, TEXTOID, -1, false, TYPALIGN_INT,
+					  &names, &nulls, &n);
+	if (n == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("policies must not be empty")));
+	identity = rl_get_identity(fcinfo, 1);
+	cost = rl_get_cost(fcinfo, 2, "cost");
+
+	/* look every policy up, once each */
+	policies = palloc(sizeof(RlPolicy) * n);
+	for (i = 0; i < n; i++)
+	{
+		RlPolicy	p;
+
+		if (nulls[i])
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("policies must not contain null")));
+		p = rl_policy_lookup(fcinfo, DatumGetTextPP(names[i]));
+		for (j = 0; j < npolicies; j++)
+			if (strcmp(policies[j].name, p.name) == 0)
+				break;
+		if (j == npolicies)
+			policies[npolicies++] = p;
+	}
+
+	/* EVALSHA sha numkeys key... cost now (algorithm lim window burst)... */
+	argc = RL_SCRIPT_ARGV_RESERVED + 1 + npolicies + 2 + 4 * npolicies;
+	argv = palloc(sizeof(char *) * argc);
+	argvlen = palloc(sizeof(size_t) * argc);
+	i = RL_SCRIPT_ARGV_RESERVED;
+	argv[i] = psprintf("%d", npolicies);
+	argvlen[i] = strlen(argv[i]);
+	i++;
+	for (j = 0; j < npolicies; j++)
+	{
+		StringInfo	key = rl_build_key(policies[j].limit.algorithm->name,
+									   identity, policies[j].name);
+
+		argv[i] = pnstrdup(key->data, key->len);
+		argvlen[i++] = key->len;
+	}
+	argv[i] = cost_s;
+	argvlen[i++] = pg_ltoa(cost, cost_s);
+	argv[i] = now_s;
+	argvlen[i++] = rl_clock_arg(now_s);
+	for (j = 0; j < npolicies; j++)
+	{
+		const RlLimit *limit = &policies[j].limit;
+
+		argv[i] = limit->algorithm->name;
+		argvlen[i] = strlen(argv[i]);
+		i++;
+		argv[i] = psprintf("%d", limit->lim);
+		argvlen[i] = strlen(argv[i]);
+		i++;
+		argv[i] = psprintf(INT64_FORMAT, limit->window_ms);
+		argvlen[i] = strlen(argv[i]);
+		i++;
+		argv[i] = psprintf("%d", limit->burst);
+		argvlen[i] = strlen(argv[i]);
+		i++;
+	}
+	Assert(i == argc);
+
+	reply = rl_run_script(&rl_script_check_all, argc, argv, argvlen, &failure);
+	if (reply == NULL || !rl_parse_decision(reply, d, &failure))
+		rl_apply_on_error(&failure, policies[0].limit.lim, cost, d);
+}
+
+PG_FUNCTION_INFO_V1(rl_check_all);
+
+/* rl_check_all(policies, identity, cost): all limits or none, as rl_result. */
+Datum
+rl_check_all(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
+
+	rl_check_policies(fcinfo, &d);
+	return rl_result_datum(fcinfo, &d);
+}
+
+PG_FUNCTION_INFO_V1(rl_allow_all);
+
+/* rl_allow_all(policies, identity, cost): all limits or none, as boolean. */
+Datum
+rl_allow_all(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
+
+	rl_check_policies(fcinfo, &d);
+	PG_RETURN_BOOL(d.allowed);
+}
+
+/*
+ * Appends to *keys the identity's key of every policy in rl_policy, for
+ * rl_reset. Reads the table directly, so that policies not cached yet count.
+ */
+void
+rl_policy_reset_keys(FunctionCallInfo fcinfo, text *identity, List **keys)
+{
+	MemoryContext caller = CurrentMemoryContext;
+	uint64		i;
+
+	rl_policy_refresh(fcinfo);
+	if (!OidIsValid(policy_relid))
+		return;					/* an extension version without policies */
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute(psprintf("SELECT name, algorithm FROM %s", rl_policy_table()),
+					true, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read rl_policy");
+	for (i = 0; i < SPI_processed; i++)
+	{
+		HeapTuple	tuple = SPI_tuptable->vals[i];
+		TupleDesc	tupdesc = SPI_tuptable->tupdesc;
+		const RlAlgorithm *algorithm = rl_find_algorithm(SPI_getvalue(tuple, tupdesc, 2));
+		MemoryContext old = MemoryContextSwitchTo(caller);
+
+		*keys = rl_keep_key(*keys, rl_build_key(algorithm->name, identity,
+												SPI_getvalue(tuple, tupdesc, 1)));
+		MemoryContextSwitchTo(old);
+	}
+	SPI_finish();
+}
+
+PG_FUNCTION_INFO_V1(rl_policy_changed);
+
+/*
+ * Statement trigger on rl_policy: invalidates the table's relcache entry, so
+ * that every backend drops its cached policies (at commit).
+ */
+Datum
+rl_policy_changed(PG_FUNCTION_ARGS)
+{
+	TriggerData *trigdata = (TriggerData *) fcinfo->context;
+
+	if (!CALLED_AS_TRIGGER(fcinfo))
+		ereport(ERROR,
+				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
+				 errmsg("rl_policy_changed must be called as a trigger")));
+	CacheInvalidateRelcache(trigdata->tg_relation);
+	PG_RETURN_POINTER(NULL);
+}
