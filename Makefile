@@ -6,6 +6,7 @@ OBJS = \
 	src/rl_redis.o \
 	src/guc.o \
 	src/transport.o \
+	src/breaker.o \
 	src/scripts.o \
 	src/limits.o \
 	src/policy.o \

@@ -20,6 +20,7 @@ SET rl_redis.key_prefix = 'mine:';
 SET rl_redis.on_error = 'allow';
 SET rl_redis.connect_timeout = 1;
 SET rl_redis.command_timeout = 1;
+SET rl_redis.retry_interval = 100000;
 SET rl_redis.test_clock_ms = 1;
 -- the password cannot be read
 SHOW rl_redis.password;

@@ -69,7 +69,12 @@ def set_gucs(conn, **gucs):
 
 
 def use_redis(conn, server, **gucs):
-    """Points the session at `server` (a RedisServer), plus other GUCs."""
+    """Points the session at `server` (a RedisServer), plus other GUCs.
+
+    The circuit breaker is off (retry_interval 0) unless asked for, so that
+    these tests see every call reach the network; test_breaker.py covers it.
+    """
+    gucs.setdefault("retry_interval", 0)
     if server.unix_socket:
         set_gucs(conn, host=server.unix_socket)
     else:

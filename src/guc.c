@@ -23,6 +23,7 @@ char	   *rl_password = NULL;
 int			rl_database = 0;
 int			rl_connect_timeout = 2000;
 int			rl_command_timeout = 2000;
+int			rl_retry_interval = 1000;
 char	   *rl_key_prefix = NULL;
 int			rl_on_error = RL_ON_ERROR_ERROR;
 double		rl_test_clock_ms = 0;
@@ -150,6 +151,15 @@ rl_define_gucs(void)
 							"Zero waits without limit (statement_timeout still applies).",
 							&rl_command_timeout,
 							2000, 0, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("rl_redis.retry_interval",
+							"Time after a failure to reach Redis during which calls fail at once.",
+							"Zero tries Redis on every call.",
+							&rl_retry_interval,
+							1000, 0, INT_MAX,
 							PGC_SUSET,
 							GUC_UNIT_MS,
 							NULL, NULL, NULL);

@@ -170,12 +170,14 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 		d->remaining = 0;
 		d->retry_after_ms = RL_DENY_RETRY_MS;
 	}
-	ereport(WARNING,
-			(errcode(failure->sqlerrcode),
-			 errmsg_internal("%s", failure->message),
-			 errdetail("The request was %s without a decision from Redis because rl_redis.on_error is \"%s\".",
-					   d->allowed ? "allowed" : "denied",
-					   d->allowed ? "allow" : "deny")));
+	/* one warning per outage, not one per call */
+	if (failure->first_in_outage)
+		ereport(WARNING,
+				(errcode(failure->sqlerrcode),
+				 errmsg_internal("%s", failure->message),
+				 errdetail("Requests are %s without a decision from Redis because rl_redis.on_error is \"%s\".",
+						   d->allowed ? "allowed" : "denied",
+						   d->allowed ? "allow" : "deny")));
 }
 
 /*
@@ -186,6 +188,7 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 void
 rl_error_reply(redisReply *reply, RlFailure *failure)
 {
+	failure->first_in_outage = true;
 	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
 		strncmp(reply->str, "WRONGPASS", 9) == 0)
 	{
@@ -234,6 +237,7 @@ rl_parse_decision(redisReply *reply, RlDecision *d, RlFailure *failure)
 
 bad:
 	freeReplyObject(reply);
+	failure->first_in_outage = true;
 	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
 	snprintf(failure->message, sizeof(failure->message),
 			 "unexpected reply from the rate-limit script at Redis %s",
@@ -468,6 +472,7 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 		elog(ERROR, "return type must be a row type");
 	tupdesc = BlessTupleDesc(tupdesc);
 
+	rl_breaker_reset();			/* an explicit check always tries */
 	rl_admin_command(1, argv, argvlen); /* connects if needed */
 	start = GetCurrentTimestamp();
 	rl_admin_command(1, argv, argvlen);

@@ -4,6 +4,7 @@
  *
  * src/guc.c        the rl_redis.* settings
  * src/transport.c  the per-backend Redis connection and its socket I/O
+ * src/breaker.c    the circuit breaker in front of it
  * src/scripts.c    the Lua script registry (EVALSHA, reload on NOSCRIPT)
  * src/limits.c     decisions by explicit arguments, reset and ping
  * src/policy.c     named policies (rl_policy) and several limits at once
@@ -36,6 +37,7 @@ extern char *rl_password;
 extern int	rl_database;
 extern int	rl_connect_timeout;
 extern int	rl_command_timeout;
+extern int	rl_retry_interval;
 extern char *rl_key_prefix;
 extern int	rl_on_error;
 extern double rl_test_clock_ms;
@@ -51,8 +53,15 @@ extern void rl_define_gucs(void);
 typedef struct RlFailure
 {
 	int			sqlerrcode;
+	bool		first_in_outage;	/* the failure that began an outage */
 	char		message[512];
 } RlFailure;
+
+/* circuit breaker (breaker.c) */
+extern bool rl_breaker_open(RlFailure *failure);
+extern void rl_breaker_failed(RlFailure *failure);
+extern void rl_breaker_succeeded(void);
+extern void rl_breaker_reset(void);
 
 /* transport (transport.c) */
 extern void rl_transport_init(void);

@@ -510,13 +510,16 @@ rl_connection_alive(void)
 /*
  * Sends one command and returns its reply, which the caller must free with
  * freeReplyObject. Opens the connection when needed. On failure returns NULL
- * with failure filled in; the connection is then already discarded. An
- * interrupt (cancel, statement_timeout) raises its error from inside.
+ * with failure filled in; the connection is then already discarded. While
+ * the circuit breaker is open, fails at once without touching the network.
+ * An interrupt (cancel, statement_timeout) raises its error from inside.
  */
 redisReply *
 rl_command(int argc, const char **argv, const size_t *argvlen,
 		   RlFailure *failure)
 {
+	redisReply *reply;
+
 	if (out.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -525,12 +528,28 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 		MemoryContextSwitchTo(old);
 	}
 
-	if (!conn.ready || rl_connection_settings_changed || !rl_connection_alive())
+	if (rl_connection_settings_changed)
+	{
+		rl_breaker_reset();		/* another server: try it at once */
+		conn.ready = false;
+	}
+	else if (rl_breaker_open(failure))
+		return NULL;
+
+	if (!conn.ready || !rl_connection_alive())
 	{
 		if (!rl_connect(failure))
+		{
+			rl_breaker_failed(failure);
 			return NULL;
+		}
 	}
 
 	rl_encode(argc, argv, argvlen);
-	return rl_roundtrip(rl_deadline(rl_command_timeout), failure);
+	reply = rl_roundtrip(rl_deadline(rl_command_timeout), failure);
+	if (reply == NULL)
+		rl_breaker_failed(failure);
+	else
+		rl_breaker_succeeded();
+	return reply;
 }

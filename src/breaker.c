@@ -1,0 +1,74 @@
+/*
+ * breaker.c
+ *	  The circuit breaker in front of the Redis connection.
+ *
+ * After a call fails to reach Redis (connect, send, receive, timeout), the
+ * calls within rl_redis.retry_interval fail at once with the same failure,
+ * without touching the network, so that a Redis outage costs a backend
+ * microseconds per call instead of a timeout per call. The first call after
+ * the interval tries again. An outage is reported once: the failure that
+ * starts it is marked first_in_outage (the caller warns only for that one),
+ * and the first success after it is logged.
+ */
+#include "postgres.h"
+
+#include "utils/timestamp.h"
+
+#include "rl_redis.h"
+
+static TimestampTz outage_start = 0;	/* 0: Redis answered last time */
+static TimestampTz last_failure_at = 0;
+static RlFailure last_failure;
+
+/*
+ * True when the breaker is open: the call must not touch the network, and
+ * failure holds the failure to report.
+ */
+bool
+rl_breaker_open(RlFailure *failure)
+{
+	if (last_failure_at == 0 || rl_retry_interval <= 0)
+		return false;
+	if (!TimestampDifferenceExceeds(last_failure_at, GetCurrentTimestamp(),
+									rl_retry_interval))
+	{
+		*failure = last_failure;
+		failure->first_in_outage = false;
+		return true;
+	}
+	return false;
+}
+
+/* Records a failed call; the first of an outage is marked first_in_outage. */
+void
+rl_breaker_failed(RlFailure *failure)
+{
+	last_failure_at = GetCurrentTimestamp();
+	failure->first_in_outage = (outage_start == 0);
+	if (outage_start == 0)
+		outage_start = last_failure_at;
+	last_failure = *failure;
+	snprintf(last_failure.message, sizeof(last_failure.message),
+			 "%s (not retried for rl_redis.retry_interval)", failure->message);
+}
+
+/* Records a call that reached Redis, and logs the end of an outage. */
+void
+rl_breaker_succeeded(void)
+{
+	if (outage_start != 0)
+		ereport(LOG,
+				(errmsg("connection to Redis at %s restored after " INT64_FORMAT " ms",
+						rl_server_name(),
+						(int64) ((GetCurrentTimestamp() - outage_start) / 1000))));
+	outage_start = 0;
+	last_failure_at = 0;
+}
+
+/* Forgets the outage, so that the next call tries the network. */
+void
+rl_breaker_reset(void)
+{
+	last_failure_at = 0;
+	outage_start = 0;
+}
