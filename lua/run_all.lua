@@ -1,11 +1,11 @@
 -- Main part of the several-limits script: all limits decide on one clock,
--- and the call is applied to all of them or to none.
+-- and the calls are applied to all of them or to none.
 -- KEYS[i]  the key of limit i
--- ARGV     cost, now_us ('' for Redis TIME), then for each limit:
---          algorithm, lim, window_ms, burst (0: none)
+-- ARGV     now_us ('' for Redis TIME), then for each limit:
+--          algorithm, lim, window_ms, burst (0: none), cost (< 0: refund)
 -- Returns the most restrictive limit's {allowed, lim, remaining, reset_ms,
--- retry_after_ms}: a denied one with the longest wait (-1 counts longest),
--- else the one with the fewest units left.
+-- retry_after_ms} followed by its index (1-based): a denied one with the
+-- longest wait (-1 counts longest), else the one with the fewest units left.
 
 -- True when result a is more restrictive than result b.
 local function tighter(a, b)
@@ -18,20 +18,22 @@ local function tighter(a, b)
   return a[4] > b[4]
 end
 
-local cost = tonumber(ARGV[1])
-local now = clock_us(ARGV[2])
+local now = clock_us(ARGV[1])
 local commits = {}
 local all_allowed = true
-local worst = nil
+local worst, worst_index = nil, 0
 for i = 1, #KEYS do
-  local b = 2 + (i - 1) * 4
+  local b = 1 + (i - 1) * 5
   local result, commit = ALG[ARGV[b + 1]](KEYS[i], tonumber(ARGV[b + 2]),
-    tonumber(ARGV[b + 3]), cost, tonumber(ARGV[b + 4]), now)
+    tonumber(ARGV[b + 3]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 4]), now)
   if result[1] == 0 then all_allowed = false end
   if commit then commits[#commits + 1] = commit end
-  if worst == nil or tighter(result, worst) then worst = result end
+  if worst == nil or tighter(result, worst) then
+    worst, worst_index = result, i
+  end
 end
 if all_allowed then
   for _, commit in ipairs(commits) do commit() end
 end
+worst[6] = worst_index
 return worst

@@ -157,7 +157,7 @@ rl_acquire(FunctionCallInfo fcinfo, RlDecision *d)
 	argvlen[7] = rl_clock_arg(now_s);
 
 	reply = rl_run_script(&rl_script_concurrency, 8, argv, argvlen, &failure);
-	if (reply == NULL || !rl_parse_decision(reply, d, &failure))
+	if (reply == NULL || !rl_parse_decision(reply, d, NULL, &failure))
 	{
 		rl_apply_on_error(&failure, limit.lim, 1, d);
 		return;

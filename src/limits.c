@@ -210,20 +210,23 @@ rl_error_reply(redisReply *reply, RlFailure *failure)
 /*
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not the five integers the scripts return.
+ * With index, the reply has a sixth integer, stored there (as 0-based).
  */
 bool
-rl_parse_decision(redisReply *reply, RlDecision *d, RlFailure *failure)
+rl_parse_decision(redisReply *reply, RlDecision *d, int *index,
+				  RlFailure *failure)
 {
-	int			i;
+	size_t		n = index ? 6 : 5;
+	size_t		i;
 
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
 		rl_error_reply(reply, failure);
 		return false;
 	}
-	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != n)
 		goto bad;
-	for (i = 0; i < 5; i++)
+	for (i = 0; i < n; i++)
 		if (reply->element[i]->type != REDIS_REPLY_INTEGER)
 			goto bad;
 
@@ -232,6 +235,8 @@ rl_parse_decision(redisReply *reply, RlDecision *d, RlFailure *failure)
 	d->remaining = (int32) reply->element[2]->integer;
 	d->reset_ms = reply->element[3]->integer;
 	d->retry_after_ms = reply->element[4]->integer;
+	if (index)
+		*index = (int) reply->element[5]->integer - 1;
 	freeReplyObject(reply);
 	return true;
 
@@ -243,6 +248,64 @@ bad:
 			 "unexpected reply from the rate-limit script at Redis %s",
 			 rl_server_name());
 	return false;
+}
+
+/*
+ * Decides n charges (a limit, a key and a cost each; cost < 0 gives back) in
+ * one script call: applied to all or to none. Fills d with the most
+ * restrictive result and *index with its charge. False, with failure filled
+ * in, when Redis gave no decision.
+ */
+bool
+rl_decide_many(const RlCharge *charges, int n, RlDecision *d, int *index,
+			   RlFailure *failure)
+{
+	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 1 + 5 * n;
+	const char **argv = palloc(sizeof(char *) * argc);
+	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
+	char	   *numbers = palloc(n * 4 * 24 + 24);
+	char	   *num = numbers;
+	char		now_s[24];
+	redisReply *reply;
+	int			i = RL_SCRIPT_ARGV_RESERVED;
+	int			j;
+
+	argv[i] = num;
+	argvlen[i++] = pg_ltoa(n, num);
+	num += 24;
+	for (j = 0; j < n; j++)
+	{
+		argv[i] = charges[j].key->data;
+		argvlen[i++] = charges[j].key->len;
+	}
+	argv[i] = now_s;
+	argvlen[i++] = rl_clock_arg(now_s);
+	for (j = 0; j < n; j++)
+	{
+		const RlLimit *limit = charges[j].limit;
+
+		argv[i] = limit->algorithm->name;
+		argvlen[i++] = strlen(limit->algorithm->name);
+		argv[i] = num;
+		argvlen[i++] = pg_ltoa(limit->lim, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_lltoa(limit->window_ms, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_ltoa(limit->burst, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_ltoa(charges[j].cost, num);
+		num += 24;
+	}
+	Assert(i == argc);
+
+	reply = rl_run_script(&rl_script_check_all, argc, argv, argvlen, failure);
+	pfree(argv);
+	pfree(argvlen);
+	pfree(numbers);
+	return reply != NULL && rl_parse_decision(reply, d, index, failure);
 }
 
 /*
@@ -283,7 +346,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *suffix,
 
 	reply = rl_run_script(limit->algorithm->script, 10, argv, argvlen,
 						  &failure);
-	if (reply == NULL || !rl_parse_decision(reply, d, &failure))
+	if (reply == NULL || !rl_parse_decision(reply, d, NULL, &failure))
 		rl_apply_on_error(&failure, limit->burst > 0 ? limit->burst : limit->lim,
 						  cost, d);
 }
@@ -405,14 +468,14 @@ rl_admin_command(int argc, const char **argv, const size_t *argvlen)
 	freeReplyObject(reply);
 }
 
-/* Returns keys with a copy of key appended. */
-List *
-rl_keep_key(List *keys, StringInfo key)
+/* Returns a copy of key (from rl_build_key) that the next key leaves alone. */
+StringInfo
+rl_copy_key(StringInfo key)
 {
 	StringInfo	copy = makeStringInfo();
 
 	appendBinaryStringInfo(copy, key->data, key->len);
-	return lappend(keys, copy);
+	return copy;
 }
 
 PG_FUNCTION_INFO_V1(rl_reset);
@@ -432,8 +495,8 @@ rl_reset(PG_FUNCTION_ARGS)
 	int			i;
 
 	for (i = 0; i < rl_num_algorithms; i++)
-		keys = rl_keep_key(keys, rl_build_key(rl_algorithms[i].name, identity, NULL));
-	keys = rl_keep_key(keys, rl_build_key("concurrency", identity, NULL));
+		keys = lappend(keys, rl_copy_key(rl_build_key(rl_algorithms[i].name, identity, NULL)));
+	keys = lappend(keys, rl_copy_key(rl_build_key("concurrency", identity, NULL)));
 	rl_policy_reset_keys(fcinfo, identity, &keys);
 
 	argv = palloc(sizeof(char *) * (list_length(keys) + 1));

@@ -242,12 +242,8 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 	int32		cost;
 	RlPolicy   *policies;
 	int			npolicies = 0;
-	const char **argv;
-	size_t	   *argvlen;
-	int			argc;
-	char		cost_s[16],
-				now_s[24];
-	redisReply *reply;
+	RlCharge   *charges;
+	int			worst;
 	RlFailure	failure;
 	int			i,
 				j;
@@ -284,47 +280,15 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 			policies[npolicies++] = p;
 	}
 
-	/* EVALSHA sha numkeys key... cost now (algorithm lim window burst)... */
-	argc = RL_SCRIPT_ARGV_RESERVED + 1 + npolicies + 2 + 4 * npolicies;
-	argv = palloc(sizeof(char *) * argc);
-	argvlen = palloc(sizeof(size_t) * argc);
-	i = RL_SCRIPT_ARGV_RESERVED;
-	argv[i] = psprintf("%d", npolicies);
-	argvlen[i] = strlen(argv[i]);
-	i++;
+	charges = palloc(sizeof(RlCharge) * npolicies);
 	for (j = 0; j < npolicies; j++)
 	{
-		StringInfo	key = rl_build_key(policies[j].limit.algorithm->name,
-									   identity, policies[j].name);
-
-		argv[i] = pnstrdup(key->data, key->len);
-		argvlen[i++] = key->len;
+		charges[j].limit = &policies[j].limit;
+		charges[j].key = rl_copy_key(rl_build_key(policies[j].limit.algorithm->name,
+												  identity, policies[j].name));
+		charges[j].cost = cost;
 	}
-	argv[i] = cost_s;
-	argvlen[i++] = pg_ltoa(cost, cost_s);
-	argv[i] = now_s;
-	argvlen[i++] = rl_clock_arg(now_s);
-	for (j = 0; j < npolicies; j++)
-	{
-		const RlLimit *limit = &policies[j].limit;
-
-		argv[i] = limit->algorithm->name;
-		argvlen[i] = strlen(argv[i]);
-		i++;
-		argv[i] = psprintf("%d", limit->lim);
-		argvlen[i] = strlen(argv[i]);
-		i++;
-		argv[i] = psprintf(INT64_FORMAT, limit->window_ms);
-		argvlen[i] = strlen(argv[i]);
-		i++;
-		argv[i] = psprintf("%d", limit->burst);
-		argvlen[i] = strlen(argv[i]);
-		i++;
-	}
-	Assert(i == argc);
-
-	reply = rl_run_script(&rl_script_check_all, argc, argv, argvlen, &failure);
-	if (reply == NULL || !rl_parse_decision(reply, d, &failure))
+	if (!rl_decide_many(charges, npolicies, d, &worst, &failure))
 		rl_apply_on_error(&failure, policies[0].limit.lim, cost, d);
 }
 
@@ -377,8 +341,8 @@ rl_policy_reset_keys(FunctionCallInfo fcinfo, text *identity, List **keys)
 		const RlAlgorithm *algorithm = rl_find_algorithm(SPI_getvalue(tuple, tupdesc, 2));
 		MemoryContext old = MemoryContextSwitchTo(caller);
 
-		*keys = rl_keep_key(*keys, rl_build_key(algorithm->name, identity,
-												SPI_getvalue(tuple, tupdesc, 1)));
+		*keys = lappend(*keys, rl_copy_key(rl_build_key(algorithm->name, identity,
+														SPI_getvalue(tuple, tupdesc, 1))));
 		MemoryContextSwitchTo(old);
 	}
 	SPI_finish();

@@ -122,14 +122,24 @@ typedef struct RlLimit
 
 extern StringInfo rl_build_key(const char *kind, text *identity,
 							   const char *suffix);
-extern List *rl_keep_key(List *keys, StringInfo key);
+extern StringInfo rl_copy_key(StringInfo key);
 extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);
 extern void rl_decide_limit(const RlLimit *limit, text *identity,
 							const char *suffix, int32 cost, RlDecision *d);
-extern bool rl_parse_decision(redisReply *reply, RlDecision *d,
+/* One limit to charge in a several-limits call. */
+typedef struct RlCharge
+{
+	const RlLimit *limit;
+	StringInfo	key;
+	int32		cost;			/* < 0 gives units back */
+} RlCharge;
+
+extern bool rl_parse_decision(redisReply *reply, RlDecision *d, int *index,
 							  RlFailure *failure);
+extern bool rl_decide_many(const RlCharge *charges, int n, RlDecision *d,
+						   int *index, RlFailure *failure);
 extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
 extern void rl_raise(const RlFailure *failure);
