@@ -10,12 +10,14 @@ OBJS = \
 	src/scripts.o \
 	src/limits.o \
 	src/policy.o \
-	src/concurrency.o
+	src/concurrency.o \
+	src/refund.o \
+	src/guard.o
 
 DATA = $(wildcard sql/rl_redis--*.sql)
 PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"
 
-REGRESS = arguments fixed sliding keys privileges on_error token_bucket gcra sliding_counter refund policy concurrency upgrade
+REGRESS = arguments fixed sliding keys privileges on_error token_bucket gcra sliding_counter refund policy concurrency guards postgrest upgrade
 REGRESS_OPTS = --inputdir=. --outputdir=. --load-extension=rl_redis
 
 SHLIB_LINK = -lhiredis

@@ -39,3 +39,7 @@ SELECT rl_sliding_allow('args:month', 5, 2592000000);
 SELECT rl_sliding_allow('args:int', 5, 60000::int);
 SELECT rl_reset('args:month');
 SELECT rl_reset('args:int');
+-- at most 100 years, so that times in the scripts stay exact
+SELECT rl_sliding_allow('u', 5, 3153600000001);
+SELECT rl_fixed_allow('u', 5, 9200000000000000000);
+SELECT rl_concurrency_acquire_allow('u', 5, 3153600000001);

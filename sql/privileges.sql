@@ -21,6 +21,7 @@ SET rl_redis.on_error = 'allow';
 SET rl_redis.connect_timeout = 1;
 SET rl_redis.command_timeout = 1;
 SET rl_redis.retry_interval = 100000;
+SET rl_redis.refund_on_abort = 'all';
 SET rl_redis.test_clock_ms = 1;
 -- the password cannot be read
 SHOW rl_redis.password;

@@ -7,7 +7,7 @@ SELECT pg_describe_object(classid, objid, objsubid) AS object
 DROP EXTENSION rl_redis;
 CREATE EXTENSION rl_redis VERSION '1.0';
 SELECT extversion FROM pg_extension WHERE extname = 'rl_redis';
-ALTER EXTENSION rl_redis UPDATE TO '1.1';
+ALTER EXTENSION rl_redis UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'rl_redis';
 SELECT object FROM objects_new
 EXCEPT

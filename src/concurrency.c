@@ -136,6 +136,11 @@ rl_acquire(FunctionCallInfo fcinfo, RlDecision *d)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("lease_ms must be greater than zero")));
+	if (limit.window_ms > RL_MAX_WINDOW_MS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("lease_ms must be at most " INT64_FORMAT " (100 years)",
+						RL_MAX_WINDOW_MS)));
 
 	/* unique across backends, servers and calls */
 	snprintf(token, sizeof(token), "%d:" INT64_FORMAT ":" UINT64_FORMAT ":%08x",

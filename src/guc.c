@@ -26,6 +26,7 @@ int			rl_command_timeout = 2000;
 int			rl_retry_interval = 1000;
 char	   *rl_key_prefix = NULL;
 int			rl_on_error = RL_ON_ERROR_ERROR;
+int			rl_refund_on_abort = RL_REFUND_GUARDS;
 double		rl_test_clock_ms = 0;
 
 /* set whenever a connection setting is assigned; the transport reconnects */
@@ -35,6 +36,13 @@ static const struct config_enum_entry on_error_options[] = {
 	{"error", RL_ON_ERROR_ERROR, false},
 	{"allow", RL_ON_ERROR_ALLOW, false},
 	{"deny", RL_ON_ERROR_DENY, false},
+	{NULL, 0, false}
+};
+
+static const struct config_enum_entry refund_on_abort_options[] = {
+	{"off", RL_REFUND_OFF, false},
+	{"guards", RL_REFUND_GUARDS, false},
+	{"all", RL_REFUND_ALL, false},
 	{NULL, 0, false}
 };
 
@@ -179,6 +187,16 @@ rl_define_gucs(void)
 							 &rl_on_error,
 							 RL_ON_ERROR_ERROR,
 							 on_error_options,
+							 PGC_SUSET,
+							 0,
+							 NULL, NULL, NULL);
+
+	DefineCustomEnumVariable("rl_redis.refund_on_abort",
+							 "Whose units an aborted transaction or subtransaction gives back.",
+							 "guards: those taken by rl_guard and rl_guard_statement; all: also those of the decision functions; off: none.",
+							 &rl_refund_on_abort,
+							 RL_REFUND_GUARDS,
+							 refund_on_abort_options,
 							 PGC_SUSET,
 							 0,
 							 NULL, NULL, NULL);

@@ -91,6 +91,11 @@ rl_check_limit(const RlLimit *limit)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("window_ms must be greater than zero")));
+	if (limit->window_ms > RL_MAX_WINDOW_MS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("window_ms must be at most " INT64_FORMAT " (100 years)",
+						RL_MAX_WINDOW_MS)));
 	if (limit->burst < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -158,6 +163,7 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 		rl_raise(failure);
 
 	d->allowed = (rl_on_error == RL_ON_ERROR_ALLOW);
+	d->from_redis = false;
 	d->lim = lim;
 	d->reset_ms = 0;
 	if (d->allowed)
@@ -231,6 +237,7 @@ rl_parse_decision(redisReply *reply, RlDecision *d, int *index,
 			goto bad;
 
 	d->allowed = reply->element[0]->integer != 0;
+	d->from_redis = true;
 	d->lim = (int32) reply->element[1]->integer;
 	d->remaining = (int32) reply->element[2]->integer;
 	d->reset_ms = reply->element[3]->integer;
@@ -408,6 +415,9 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
 
 	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, d);
+	if (!refund && d->allowed && d->from_redis)
+		rl_remember_charge(&limit, rl_build_key(limit.algorithm->name, identity, NULL),
+						   cost, false);
 }
 
 /*

@@ -167,6 +167,13 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 	return found;
 }
 
+/* Returns the limit of the policy named name; raises 42704 when there is none. */
+RlLimit
+rl_policy_find(FunctionCallInfo fcinfo, const char *name)
+{
+	return rl_policy_lookup(fcinfo, cstring_to_text(name)).limit;
+}
+
 /* Returns the policy named by argument argno, which must not be NULL. */
 static RlPolicy
 rl_policy_arg(FunctionCallInfo fcinfo, int argno)
@@ -188,6 +195,11 @@ rl_check_policy(FunctionCallInfo fcinfo, bool refund, RlDecision *d)
 
 	rl_decide_limit(&policy.limit, identity, policy.name,
 					refund ? -cost : cost, d);
+	if (!refund && d->allowed && d->from_redis)
+		rl_remember_charge(&policy.limit,
+						   rl_build_key(policy.limit.algorithm->name, identity,
+										policy.name),
+						   cost, false);
 }
 
 PG_FUNCTION_INFO_V1(rl_check);
@@ -290,6 +302,9 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 	}
 	if (!rl_decide_many(charges, npolicies, d, &worst, &failure))
 		rl_apply_on_error(&failure, policies[0].limit.lim, cost, d);
+	else if (d->allowed)
+		for (j = 0; j < npolicies; j++)
+			rl_remember_charge(charges[j].limit, charges[j].key, cost, false);
 }
 
 PG_FUNCTION_INFO_V1(rl_check_all);

@@ -20,4 +20,5 @@ _PG_init(void)
 	rl_transport_init();
 	rl_policy_init();
 	rl_concurrency_init();
+	rl_refund_init();
 }

@@ -9,6 +9,8 @@
  * src/limits.c     decisions by explicit arguments, reset and ping
  * src/policy.c     named policies (rl_policy) and several limits at once
  * src/concurrency.c  concurrency limits (slots held by a transaction)
+ * src/refund.c     giving back what an aborted (sub)transaction took
+ * src/guard.c      trigger functions that rate-limit writes
  */
 #ifndef RL_REDIS_H
 #define RL_REDIS_H
@@ -29,6 +31,14 @@ typedef enum RlOnError
 	RL_ON_ERROR_DENY
 } RlOnError;
 
+/* rl_redis.refund_on_abort */
+typedef enum RlRefundOnAbort
+{
+	RL_REFUND_OFF,
+	RL_REFUND_GUARDS,
+	RL_REFUND_ALL
+} RlRefundOnAbort;
+
 /* settings (guc.c) */
 extern char *rl_host;
 extern int	rl_port;
@@ -40,6 +50,7 @@ extern int	rl_command_timeout;
 extern int	rl_retry_interval;
 extern char *rl_key_prefix;
 extern int	rl_on_error;
+extern int	rl_refund_on_abort;
 extern double rl_test_clock_ms;
 extern bool rl_connection_settings_changed;
 
@@ -109,7 +120,14 @@ typedef struct RlDecision
 	int32		remaining;
 	int64		reset_ms;
 	int64		retry_after_ms;
+	bool		from_redis;		/* false: rl_redis.on_error decided */
 } RlDecision;
+
+/*
+ * The longest window (and lease): 100 years. Longer ones would push the
+ * scripts' microsecond times past what a double holds exactly.
+ */
+#define RL_MAX_WINDOW_MS INT64CONST(3153600000000)
 
 /* The arguments of one limit. */
 typedef struct RlLimit
@@ -149,8 +167,14 @@ extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
 
 /* named policies (policy.c) */
 extern void rl_policy_init(void);
+extern RlLimit rl_policy_find(FunctionCallInfo fcinfo, const char *name);
 extern void rl_policy_reset_keys(FunctionCallInfo fcinfo, text *identity,
 								 List **keys);
+
+/* refunds on abort (refund.c) */
+extern void rl_refund_init(void);
+extern void rl_remember_charge(const RlLimit *limit, StringInfo key,
+							   int32 cost, bool by_guard);
 
 /* concurrency limits (concurrency.c) */
 extern void rl_concurrency_init(void);
