@@ -47,3 +47,5 @@ demo:
 
 bench:
 	bash sql_tests/bench.sh
+	bash sql_tests/bench_guard.sh
+	bash sql_tests/bench_breaker.sh

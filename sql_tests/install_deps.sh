@@ -8,7 +8,6 @@ packages=(
 	build-essential
 	postgresql-15
 	postgresql-server-dev-15
-	postgresql-contrib-15
 	libhiredis-dev
 	redis-server
 	redis-tools
