@@ -20,7 +20,7 @@ PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"
 REGRESS = arguments fixed sliding keys privileges on_error token_bucket gcra sliding_counter refund policy concurrency guards postgrest upgrade
 REGRESS_OPTS = --inputdir=. --outputdir=. --load-extension=rl_redis
 
-SHLIB_LINK = -lhiredis
+SHLIB_LINK = -lhiredis -lssl -lcrypto
 PG_CPPFLAGS = -I$(srcdir)/src
 PG_CFLAGS = -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare -Wno-missing-field-initializers
 

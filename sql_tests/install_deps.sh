@@ -9,6 +9,8 @@ packages=(
 	postgresql-15
 	postgresql-server-dev-15
 	libhiredis-dev
+	libssl-dev
+	openssl
 	redis-server
 	redis-tools
 	python3-psycopg

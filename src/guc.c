@@ -28,6 +28,11 @@ char	   *rl_key_prefix = NULL;
 int			rl_on_error = RL_ON_ERROR_ERROR;
 int			rl_refund_on_abort = RL_REFUND_GUARDS;
 double		rl_test_clock_ms = 0;
+bool		rl_tls = false;
+char	   *rl_tls_ca_file = NULL;
+char	   *rl_tls_cert_file = NULL;
+char	   *rl_tls_key_file = NULL;
+char	   *rl_tls_server_name = NULL;
 
 /* set whenever a connection setting is assigned; the transport reconnects */
 bool		rl_connection_settings_changed = false;
@@ -56,6 +61,13 @@ assign_connection_string(const char *newval, void *extra)
 /* Same as assign_connection_string, for the integer settings. */
 static void
 assign_connection_int(int newval, void *extra)
+{
+	rl_connection_settings_changed = true;
+}
+
+/* Same as assign_connection_string, for rl_redis.tls. */
+static void
+assign_connection_bool(bool newval, void *extra)
 {
 	rl_connection_settings_changed = true;
 }
@@ -134,6 +146,51 @@ rl_define_gucs(void)
 							   "",
 							   PGC_SUSET,
 							   GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
+							   NULL, assign_connection_string, NULL);
+
+	DefineCustomBoolVariable("rl_redis.tls",
+							 "Whether to connect to Redis with TLS.",
+							 "The server's certificate is always checked, against rl_redis.tls_ca_file or the system's CAs, and its name against rl_redis.tls_server_name or rl_redis.host.",
+							 &rl_tls,
+							 false,
+							 PGC_SUSET,
+							 0,
+							 NULL, assign_connection_bool, NULL);
+
+	DefineCustomStringVariable("rl_redis.tls_ca_file",
+							   "File of CA certificates that the Redis server's certificate must chain to.",
+							   "Empty uses the system's CA certificates.",
+							   &rl_tls_ca_file,
+							   "",
+							   PGC_SUSET,
+							   GUC_SUPERUSER_ONLY,
+							   NULL, assign_connection_string, NULL);
+
+	DefineCustomStringVariable("rl_redis.tls_cert_file",
+							   "Client certificate for Redis servers that require one.",
+							   NULL,
+							   &rl_tls_cert_file,
+							   "",
+							   PGC_SUSET,
+							   GUC_SUPERUSER_ONLY,
+							   NULL, assign_connection_string, NULL);
+
+	DefineCustomStringVariable("rl_redis.tls_key_file",
+							   "Private key of the client certificate.",
+							   "Empty takes the key from rl_redis.tls_cert_file.",
+							   &rl_tls_key_file,
+							   "",
+							   PGC_SUSET,
+							   GUC_SUPERUSER_ONLY,
+							   NULL, assign_connection_string, NULL);
+
+	DefineCustomStringVariable("rl_redis.tls_server_name",
+							   "Name the Redis server's certificate must carry (and the SNI sent).",
+							   "Empty uses rl_redis.host.",
+							   &rl_tls_server_name,
+							   "",
+							   PGC_SUSET,
+							   0,
 							   NULL, assign_connection_string, NULL);
 
 	DefineCustomIntVariable("rl_redis.database",

@@ -52,6 +52,11 @@ extern char *rl_key_prefix;
 extern int	rl_on_error;
 extern int	rl_refund_on_abort;
 extern double rl_test_clock_ms;
+extern bool rl_tls;
+extern char *rl_tls_ca_file;
+extern char *rl_tls_cert_file;
+extern char *rl_tls_key_file;
+extern char *rl_tls_server_name;
 extern bool rl_connection_settings_changed;
 
 extern void rl_define_gucs(void);

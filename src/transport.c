@@ -13,8 +13,10 @@
  * call (a reply might still be in flight), and after a connection setting
  * changed; the next call opens a new one.
  *
- * Encryption (TLS) and cluster routing would replace rl_send_all/rl_recv and
- * rl_open_socket; nothing outside this file touches the socket.
+ * With rl_redis.tls, the bytes go through OpenSSL on the same non-blocking
+ * socket (rl_io_read/rl_io_write): a TLS handshake, read or write that has
+ * to wait says for what, and waits in rl_wait like the rest. Nothing outside
+ * this file touches the socket.
  */
 #include "postgres.h"
 
@@ -26,6 +28,11 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 
 #include "access/xact.h"
 #include "lib/stringinfo.h"
@@ -47,6 +54,8 @@ typedef struct RlConnection
 	int			sock_pos;		/* position of sock in wes */
 	uint32		sock_events;	/* what wes waits for on sock right now */
 	redisReader *reader;
+	SSL_CTX    *ssl_ctx;		/* with rl_redis.tls */
+	SSL		   *ssl;
 	bool		ready;			/* connected and idle: safe to send */
 	char		server[300];	/* "host:port" or the socket path */
 } RlConnection;
@@ -61,6 +70,12 @@ static char inbuf[16384];
 static void
 rl_disconnect(void)
 {
+	if (conn.ssl)
+		SSL_free(conn.ssl);
+	conn.ssl = NULL;
+	if (conn.ssl_ctx)
+		SSL_CTX_free(conn.ssl_ctx);
+	conn.ssl_ctx = NULL;
 	if (conn.wes)
 		FreeWaitEventSet(conn.wes);
 	conn.wes = NULL;
@@ -170,24 +185,135 @@ rl_wait(uint32 events, TimestampTz deadline)
 	}
 }
 
+#define RL_IO_WAIT (-2)
+
+/* Describes the last OpenSSL error (or the certificate check's) in buf. */
+static void
+rl_tls_error(char *buf, size_t size)
+{
+	unsigned long code = ERR_get_error();
+
+	if (conn.ssl && SSL_get_verify_result(conn.ssl) != X509_V_OK)
+		snprintf(buf, size, "certificate verify failed: %s",
+				 X509_verify_cert_error_string(SSL_get_verify_result(conn.ssl)));
+	else if (code != 0)
+		ERR_error_string_n(code, buf, size);
+	else
+		snprintf(buf, size, "%s", errno ? strerror(errno) : "connection closed");
+	ERR_clear_error();
+}
+
+/*
+ * Turns an OpenSSL result r of an I/O call into RL_IO_WAIT (with *want set
+ * to what to wait for), 0 for a closed connection, or -1 (with errbuf).
+ */
+static ssize_t
+rl_tls_result(int r, uint32 *want, char *errbuf, size_t errsize)
+{
+	switch (SSL_get_error(conn.ssl, r))
+	{
+		case SSL_ERROR_WANT_READ:
+			*want = WL_SOCKET_READABLE;
+			return RL_IO_WAIT;
+		case SSL_ERROR_WANT_WRITE:
+			*want = WL_SOCKET_WRITEABLE;
+			return RL_IO_WAIT;
+		case SSL_ERROR_ZERO_RETURN:
+			return 0;
+		case SSL_ERROR_SYSCALL:
+			if (ERR_peek_error() == 0 && errno == 0)
+				return 0;		/* EOF without close_notify */
+			/* FALLTHROUGH */
+		default:
+			rl_tls_error(errbuf, errsize);
+			return -1;
+	}
+}
+
+/*
+ * Writes up to len bytes: returns how many, RL_IO_WAIT (with *want), or -1
+ * (with errbuf).
+ */
+static ssize_t
+rl_io_write(const char *buf, size_t len, uint32 *want, char *errbuf,
+			size_t errsize)
+{
+	ssize_t		n;
+
+	if (conn.ssl)
+	{
+		int			r;
+
+		ERR_clear_error();
+		errno = 0;
+		r = SSL_write(conn.ssl, buf, (int) Min(len, (size_t) INT_MAX));
+		if (r > 0)
+			return r;
+		n = rl_tls_result(r, want, errbuf, errsize);
+		return n == 0 ? -1 : n;
+	}
+	n = send(conn.sock, buf, len, MSG_NOSIGNAL);
+	if (n >= 0)
+		return n;
+	if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+	{
+		*want = WL_SOCKET_WRITEABLE;
+		return RL_IO_WAIT;
+	}
+	snprintf(errbuf, errsize, "%s", strerror(errno));
+	return -1;
+}
+
+/*
+ * Reads up to len bytes: returns how many, 0 when the server closed the
+ * connection, RL_IO_WAIT (with *want), or -1 (with errbuf).
+ */
+static ssize_t
+rl_io_read(char *buf, size_t len, uint32 *want, char *errbuf, size_t errsize)
+{
+	ssize_t		n;
+
+	if (conn.ssl)
+	{
+		int			r;
+
+		ERR_clear_error();
+		errno = 0;
+		r = SSL_read(conn.ssl, buf, (int) Min(len, (size_t) INT_MAX));
+		if (r > 0)
+			return r;
+		return rl_tls_result(r, want, errbuf, errsize);
+	}
+	n = recv(conn.sock, buf, len, 0);
+	if (n >= 0)
+		return n;
+	if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+	{
+		*want = WL_SOCKET_READABLE;
+		return RL_IO_WAIT;
+	}
+	snprintf(errbuf, errsize, "%s", strerror(errno));
+	return -1;
+}
+
 /* Sends all of out.data; false (with the failure filled in) on error. */
 static bool
 rl_send_all(TimestampTz deadline, RlFailure *failure)
 {
 	size_t		done = 0;
+	char		errbuf[256];
 
 	while (done < (size_t) out.len)
 	{
-		ssize_t		n = send(conn.sock, out.data + done, out.len - done,
-							 MSG_NOSIGNAL);
+		uint32		want = WL_SOCKET_WRITEABLE;
+		ssize_t		n = rl_io_write(out.data + done, out.len - done, &want,
+									errbuf, sizeof(errbuf));
 
 		if (n > 0)
 			done += n;
-		else if (n < 0 && errno == EINTR)
-			continue;
-		else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+		else if (n == RL_IO_WAIT)
 		{
-			if (!rl_wait(WL_SOCKET_WRITEABLE, deadline))
+			if (!rl_wait(want, deadline))
 			{
 				rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
 						"timed out sending to Redis at %s", conn.server);
@@ -197,7 +323,7 @@ rl_send_all(TimestampTz deadline, RlFailure *failure)
 		else
 		{
 			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
-					"could not send to Redis at %s: %m", conn.server);
+					"could not send to Redis at %s: %s", conn.server, errbuf);
 			return false;
 		}
 	}
@@ -208,6 +334,9 @@ rl_send_all(TimestampTz deadline, RlFailure *failure)
 static redisReply *
 rl_recv(TimestampTz deadline, RlFailure *failure)
 {
+	uint32		want = WL_SOCKET_READABLE;
+	char		errbuf[256];
+
 	for (;;)
 	{
 		void	   *reply = NULL;
@@ -223,16 +352,19 @@ rl_recv(TimestampTz deadline, RlFailure *failure)
 		if (reply != NULL)
 			return (redisReply *) reply;
 
-		if (!rl_wait(WL_SOCKET_READABLE, deadline))
+		/* TLS may hold decrypted bytes that the socket no longer shows */
+		if (!(conn.ssl && SSL_pending(conn.ssl) > 0) &&
+			!rl_wait(want, deadline))
 		{
 			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
 					"timed out waiting for a reply from Redis at %s", conn.server);
 			return NULL;
 		}
 
-		n = recv(conn.sock, inbuf, sizeof(inbuf), 0);
+		n = rl_io_read(inbuf, sizeof(inbuf), &want, errbuf, sizeof(errbuf));
 		if (n > 0)
 		{
+			want = WL_SOCKET_READABLE;
 			if (redisReaderFeed(conn.reader, inbuf, n) != REDIS_OK)
 			{
 				rl_fail(failure, ERRCODE_PROTOCOL_VIOLATION,
@@ -247,13 +379,110 @@ rl_recv(TimestampTz deadline, RlFailure *failure)
 					"Redis at %s closed the connection", conn.server);
 			return NULL;
 		}
-		else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+		else if (n != RL_IO_WAIT)
 		{
 			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
-					"could not receive from Redis at %s: %m", conn.server);
+					"could not receive from Redis at %s: %s", conn.server, errbuf);
 			return NULL;
 		}
 	}
+}
+
+/*
+ * Starts TLS on the connected socket and completes the handshake, checking
+ * the server's certificate against rl_redis.tls_ca_file (or the system's
+ * CAs) and its name against rl_redis.tls_server_name (or the host).
+ */
+static bool
+rl_tls_start(TimestampTz deadline, RlFailure *failure)
+{
+	const char *name = rl_tls_server_name[0] ? rl_tls_server_name : rl_host;
+	unsigned char addr[sizeof(struct in6_addr)];
+	bool		is_ip = inet_pton(AF_INET, name, addr) == 1 ||
+		inet_pton(AF_INET6, name, addr) == 1;
+	char		errbuf[256];
+
+	ERR_clear_error();
+	conn.ssl_ctx = SSL_CTX_new(TLS_client_method());
+	if (conn.ssl_ctx == NULL)
+		goto fail;
+	SSL_CTX_set_min_proto_version(conn.ssl_ctx, TLS1_2_VERSION);
+	SSL_CTX_set_mode(conn.ssl_ctx, SSL_MODE_ENABLE_PARTIAL_WRITE |
+					 SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+	SSL_CTX_set_verify(conn.ssl_ctx, SSL_VERIFY_PEER, NULL);
+	if (rl_tls_ca_file[0] != '\0')
+	{
+		if (SSL_CTX_load_verify_locations(conn.ssl_ctx, rl_tls_ca_file, NULL) != 1)
+		{
+			rl_tls_error(errbuf, sizeof(errbuf));
+			rl_fail(failure, ERRCODE_CONFIG_FILE_ERROR,
+					"could not load rl_redis.tls_ca_file: %s", errbuf);
+			return false;
+		}
+	}
+	else if (SSL_CTX_set_default_verify_paths(conn.ssl_ctx) != 1)
+		goto fail;
+	if (rl_tls_cert_file[0] != '\0')
+	{
+		if (SSL_CTX_use_certificate_chain_file(conn.ssl_ctx, rl_tls_cert_file) != 1 ||
+			SSL_CTX_use_PrivateKey_file(conn.ssl_ctx,
+										rl_tls_key_file[0] ? rl_tls_key_file : rl_tls_cert_file,
+										SSL_FILETYPE_PEM) != 1 ||
+			SSL_CTX_check_private_key(conn.ssl_ctx) != 1)
+		{
+			rl_tls_error(errbuf, sizeof(errbuf));
+			rl_fail(failure, ERRCODE_CONFIG_FILE_ERROR,
+					"could not load the client certificate (rl_redis.tls_cert_file, rl_redis.tls_key_file): %s",
+					errbuf);
+			return false;
+		}
+	}
+
+	conn.ssl = SSL_new(conn.ssl_ctx);
+	if (conn.ssl == NULL || SSL_set_fd(conn.ssl, conn.sock) != 1)
+		goto fail;
+	if (!is_ip)
+		SSL_set_tlsext_host_name(conn.ssl, name);
+	if (is_ip ?
+		X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(conn.ssl), name) != 1 :
+		SSL_set1_host(conn.ssl, name) != 1)
+		goto fail;
+
+	for (;;)
+	{
+		uint32		want;
+		ssize_t		n;
+		int			r;
+
+		ERR_clear_error();
+		errno = 0;
+		r = SSL_connect(conn.ssl);
+		if (r == 1)
+			return true;
+		n = rl_tls_result(r, &want, errbuf, sizeof(errbuf));
+		if (n != RL_IO_WAIT)
+		{
+			if (n == 0)
+				snprintf(errbuf, sizeof(errbuf), "the server closed the connection");
+			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					"could not connect to Redis at %s: TLS handshake failed: %s",
+					conn.server, errbuf);
+			return false;
+		}
+		if (!rl_wait(want, deadline))
+		{
+			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					"could not connect to Redis at %s: TLS handshake timed out after %d ms",
+					conn.server, rl_connect_timeout);
+			return false;
+		}
+	}
+
+fail:
+	rl_tls_error(errbuf, sizeof(errbuf));
+	rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+			"could not set up TLS for Redis at %s: %s", conn.server, errbuf);
+	return false;
 }
 
 /* Encodes one command in the Redis protocol (RESP) into out. */
@@ -410,6 +639,14 @@ rl_connect(RlFailure *failure)
 	{
 		struct sockaddr_un sun;
 
+		if (rl_tls)
+		{
+			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					"could not connect to Redis at %s: TLS needs a TCP host, not a Unix socket",
+					conn.server);
+			return false;
+		}
+
 		if (strlen(rl_host) >= sizeof(sun.sun_path))
 		{
 			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
@@ -452,6 +689,8 @@ rl_connect(RlFailure *failure)
 		}
 		freeaddrinfo(addrs);
 		if (ai == NULL)
+			return false;
+		if (rl_tls && !rl_tls_start(deadline, failure))
 			return false;
 	}
 
@@ -502,8 +741,22 @@ static bool
 rl_connection_alive(void)
 {
 	char		c;
-	ssize_t		n = recv(conn.sock, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+	ssize_t		n;
 
+	if (conn.ssl)
+	{
+		/* TLS records such as session tickets may arrive unasked */
+		ERR_clear_error();
+		n = SSL_peek(conn.ssl, &c, 1);
+		if (n <= 0 && SSL_get_error(conn.ssl, (int) n) == SSL_ERROR_WANT_READ)
+		{
+			ERR_clear_error();
+			return true;
+		}
+		ERR_clear_error();
+		return false;
+	}
+	n = recv(conn.sock, &c, 1, MSG_PEEK | MSG_DONTWAIT);
 	return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 

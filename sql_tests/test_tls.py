@@ -1,0 +1,238 @@
+"""TLS to Redis (rl_redis.tls): against a real redis-server --tls-port with
+certificates made here by openssl: a working connection, a wrong CA, a wrong
+server name, a plain client on a TLS port, client certificates, a hung TLS
+server, and the settings' privileges."""
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import psycopg
+import pytest
+
+from conftest import free_port, new_ident, pg_connect, set_gucs
+
+
+def openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_ca(d, name):
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+            "-keyout", name + "-ca.key", "-out", name + "-ca.pem",
+            "-subj", "/CN=rl_redis test CA " + name, cwd=d)
+
+
+def make_cert(d, ca, name, cn, san):
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", name + ".key",
+            "-out", name + ".csr", "-subj", "/CN=" + cn, cwd=d)
+    with open(os.path.join(d, name + ".ext"), "w") as f:
+        f.write("subjectAltName = %s\n" % san)
+    openssl("x509", "-req", "-in", name + ".csr", "-CA", ca + "-ca.pem",
+            "-CAkey", ca + "-ca.key", "-CAcreateserial", "-days", "2",
+            "-extfile", name + ".ext", "-out", name + ".pem", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def certs():
+    """A CA with a server and a client certificate, and an unrelated CA.
+    Readable by the postgres OS user, which the server runs as."""
+    d = tempfile.mkdtemp(prefix="rl_redis_tls.")
+    os.chmod(d, 0o755)
+    make_ca(d, "good")
+    make_ca(d, "other")
+    make_cert(d, "good", "server", "localhost", "DNS:localhost, IP:127.0.0.1")
+    make_cert(d, "good", "client", "rl_redis client", "DNS:rl-redis-client")
+    for f in os.listdir(d):
+        os.chmod(os.path.join(d, f), 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class TlsRedis:
+    """A redis-server that listens only on a TLS port."""
+
+    def __init__(self, certs, auth_clients):
+        self.certs = certs
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="rl_redis_tls_srv.")
+        argv = [
+            "redis-server", "--port", "0", "--tls-port", str(self.port),
+            "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", self.dir,
+            "--tls-cert-file", os.path.join(certs, "server.pem"),
+            "--tls-key-file", os.path.join(certs, "server.key"),
+            "--tls-ca-cert-file", os.path.join(certs, "good-ca.pem"),
+            "--tls-auth-clients", "yes" if auth_clients else "no",
+        ]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while self.cli("PING") != "PONG":
+            assert time.monotonic() < deadline, "TLS redis-server did not start"
+            time.sleep(0.1)
+
+    def cli(self, *args):
+        r = subprocess.run(
+            ["redis-cli", "--tls", "--cacert", os.path.join(self.certs, "good-ca.pem"),
+             "--cert", os.path.join(self.certs, "client.pem"),
+             "--key", os.path.join(self.certs, "client.key"),
+             "-p", str(self.port), *args],
+            capture_output=True, text=True,
+        )
+        return r.stdout.strip()
+
+    def close(self):
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def tls_redis(certs):
+    servers = []
+
+    def start(auth_clients=False):
+        s = TlsRedis(certs, auth_clients)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def use_tls(conn, server, certs, **gucs):
+    gucs.setdefault("tls_ca_file", os.path.join(certs, "good-ca.pem"))
+    set_gucs(conn, host="127.0.0.1", port=server.port, tls="on", retry_interval=0, **gucs)
+
+
+def sliding(conn, identity, lim=3):
+    return conn.execute(
+        "SELECT (r).allowed, (r).remaining FROM rl_sliding(%s, %s, 600000) AS r",
+        (identity, lim),
+    ).fetchone()
+
+
+def test_tls_decisions(pg, tls_redis, certs):
+    r = tls_redis()
+    use_tls(pg, r, certs)
+    identity = new_ident("tls")
+    assert [sliding(pg, identity) for _ in range(4)] == [
+        (True, 2), (True, 1), (True, 0), (False, 0)]
+    assert r.cli("ZCARD", "rl:sliding:{%s}" % identity) == "3"
+    server, rtt = pg.execute("SELECT * FROM rl_redis_ping()").fetchone()
+    assert server == "127.0.0.1:%d" % r.port and rtt >= 0
+    # by name too, checked against the certificate's DNS name
+    set_gucs(pg, host="localhost")
+    assert sliding(pg, new_ident("tls_name")) == (True, 2)
+
+
+def test_tls_connection_is_reused(pg, tls_redis, certs):
+    r = tls_redis()
+    use_tls(pg, r, certs)
+    identity = new_ident("tls_reuse")
+    sliding(pg, identity, 100)
+    before = int(r.cli("INFO", "stats").split("total_connections_received:")[1].split()[0])
+    for _ in range(20):
+        sliding(pg, identity, 100)
+    after = int(r.cli("INFO", "stats").split("total_connections_received:")[1].split()[0])
+    # redis-cli's own INFO connection is the only new one
+    assert after - before == 1, (before, after)
+
+
+def test_tls_wrong_ca(pg, tls_redis, certs):
+    r = tls_redis()
+    use_tls(pg, r, certs, tls_ca_file=os.path.join(certs, "other-ca.pem"))
+    with pytest.raises(psycopg.Error) as exc:
+        sliding(pg, new_ident("tls_wrong_ca"))
+    assert exc.value.sqlstate == "08001"
+    assert "certificate verify failed" in str(exc.value), str(exc.value)
+    # the same session works once the setting is right
+    set_gucs(pg, tls_ca_file=os.path.join(certs, "good-ca.pem"))
+    assert sliding(pg, new_ident("tls_fixed_ca")) == (True, 2)
+
+
+def test_tls_wrong_server_name(pg, tls_redis, certs):
+    r = tls_redis()
+    use_tls(pg, r, certs, tls_server_name="redis.example.com")
+    with pytest.raises(psycopg.Error) as exc:
+        sliding(pg, new_ident("tls_wrong_name"))
+    assert exc.value.sqlstate == "08001"
+    assert "certificate verify failed" in str(exc.value), str(exc.value)
+
+
+def test_tls_missing_ca_file(pg, tls_redis, certs):
+    r = tls_redis()
+    use_tls(pg, r, certs, tls_ca_file="/nonexistent/ca.pem")
+    with pytest.raises(psycopg.Error) as exc:
+        sliding(pg, new_ident("tls_no_ca"))
+    assert exc.value.sqlstate == "F0000"
+    assert "rl_redis.tls_ca_file" in str(exc.value)
+
+
+def test_plain_client_on_tls_port(pg, tls_redis, certs):
+    r = tls_redis()
+    set_gucs(pg, host="127.0.0.1", port=r.port, tls="off", retry_interval=0,
+             command_timeout=1000)
+    t0 = time.monotonic()
+    with pytest.raises(psycopg.Error) as exc:
+        sliding(pg, new_ident("tls_plain"))
+    assert exc.value.sqlstate in ("08006", "08P01"), repr(exc.value)
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_tls_client_certificate(pg, tls_redis, certs):
+    r = tls_redis(auth_clients=True)
+    use_tls(pg, r, certs)
+    with pytest.raises(psycopg.Error) as exc:
+        sliding(pg, new_ident("tls_no_client_cert"))
+    assert exc.value.sqlstate in ("08001", "08006"), repr(exc.value)
+    set_gucs(pg, tls_cert_file=os.path.join(certs, "client.pem"),
+             tls_key_file=os.path.join(certs, "client.key"))
+    assert sliding(pg, new_ident("tls_client_cert")) == (True, 2)
+
+
+def test_tls_hung_server_and_cancel(pg, tls_redis, certs):
+    r = tls_redis()
+    use_tls(pg, r, certs)
+    identity = new_ident("tls_hung")
+    assert sliding(pg, identity, 100) == (True, 99)
+    r.proc.send_signal(signal.SIGSTOP)
+    pg.execute("SET statement_timeout = '300ms'")
+    t0 = time.monotonic()
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        sliding(pg, identity, 100)
+    assert time.monotonic() - t0 < 1.0
+    pg.execute("RESET statement_timeout")
+    r.proc.send_signal(signal.SIGCONT)
+    # the abandoned connection is not reused: the reply belongs to this call
+    # (lim is echoed back; the cancelled call may have run once Redis woke)
+    row = pg.execute(
+        "SELECT (r).allowed, (r).lim, (r).remaining FROM rl_sliding(%s, 777, 600000) AS r",
+        (identity,),
+    ).fetchone()
+    assert row in ((True, 777, 775), (True, 777, 774)), row
+
+
+def test_tls_settings_are_superuser_only(pg):
+    role = "rl_tls_%s" % new_ident().split(":")[-1][:12]
+    pg.execute('CREATE ROLE "%s" LOGIN' % role)
+    conn = pg_connect(user=role)
+    try:
+        conn.execute("SELECT rl_fixed_allow('tls_priv', 1000, 1000)")  # loads the library
+        for setting, value in (("tls", "off"), ("tls_ca_file", "/tmp/x"),
+                               ("tls_cert_file", "/tmp/x"), ("tls_key_file", "/tmp/x"),
+                               ("tls_server_name", "x")):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("SET rl_redis.%s = '%s'" % (setting, value))
+        for hidden in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("SHOW rl_redis.%s" % hidden)
+    finally:
+        conn.close()
+        pg.execute('DROP ROLE "%s"' % role)
