@@ -553,3 +553,30 @@ def test_unix_socket(pg, redis_factory):
     assert [allow(pg, identity, query) for _ in range(3)] == [True, True, False]
     assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
     assert pg.execute("SELECT (rl_redis_ping()).server").fetchone()[0] is not None
+
+
+def test_abort_after_interrupted_wait_does_not_wait_again(pg, redis_factory):
+    """A transaction that holds a concurrency slot and has a refund pending
+    is cancelled while Redis hangs: its end does not wait on Redis again
+    (the slot ends with its lease, the refund is logged as lost)."""
+    r = redis_factory()
+    use_redis(pg, r, on_error="error", command_timeout=5000, refund_on_abort="all")
+    identity = new_ident("abort_hung")
+    notices = collect_notices(pg)
+    pg.execute("BEGIN")
+    assert pg.execute("SELECT rl_concurrency_acquire_allow(%s, 2, 60000)",
+                      (identity,)).fetchone()[0] is True
+    assert allow(pg, identity) is True
+    r.pause()
+    pg.execute("SET LOCAL statement_timeout = '300ms'")
+    t0 = time.monotonic()
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        pg.execute(ALLOW, (identity,))
+    pg.execute("ROLLBACK")
+    assert time.monotonic() - t0 < 1.5  # not 300 ms + 2 x command_timeout
+    messages = [n.message_primary for n in warnings_of(notices)]
+    assert "a concurrency slot was not given back" in messages, messages
+    assert "rate-limit units taken in the aborted transaction were not given back" in messages, messages
+    r.resume()
+    # the session works again, on a new connection
+    assert allow(pg, new_ident("abort_hung_after")) is True

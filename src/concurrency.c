@@ -85,12 +85,21 @@ rl_concurrency_xact_callback(XactEvent event, void *arg)
 		RlFailure	failure;
 		bool		failed;
 
-		rl_release_slot(slot, &failure, &failed);
-		if (failed)
+		/* after an interrupted wait on Redis, do not wait on it again */
+		if (rl_transport_interrupted())
 			ereport(WARNING,
-					(errcode(failure.sqlerrcode),
-					 errmsg_internal("%s", failure.message),
-					 errdetail("A concurrency slot could not be given back; it is freed when its lease ends.")));
+					(errmsg("a concurrency slot was not given back"),
+					 errdetail("A call to Redis at %s was interrupted; the slot is freed when its lease ends.",
+							   rl_server_name())));
+		else
+		{
+			rl_release_slot(slot, &failure, &failed);
+			if (failed)
+				ereport(WARNING,
+						(errcode(failure.sqlerrcode),
+						 errmsg_internal("%s", failure.message),
+						 errdetail("A concurrency slot could not be given back; it is freed when its lease ends.")));
+		}
 		rl_forget_slot(slot);
 	}
 }

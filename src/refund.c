@@ -91,7 +91,12 @@ rl_give_back(SubTransactionId subid)
 		charges[n].cost = -t->cost;
 		n++;
 	}
-	if (n > 0 && !rl_decide_many(charges, n, &d, &index, &failure))
+	/* after an interrupted wait on Redis, do not wait on it again */
+	if (n > 0 && rl_transport_interrupted())
+		ereport(WARNING,
+				(errmsg("rate-limit units taken in the aborted transaction were not given back"),
+				 errdetail("A call to Redis at %s was interrupted.", rl_server_name())));
+	else if (n > 0 && !rl_decide_many(charges, n, &d, &index, &failure))
 		ereport(WARNING,
 				(errcode(failure.sqlerrcode),
 				 errmsg_internal("%s", failure.message),

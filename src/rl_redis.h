@@ -84,6 +84,7 @@ extern void rl_transport_init(void);
 extern redisReply *rl_command(int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
 extern const char *rl_server_name(void);
+extern bool rl_transport_interrupted(void);
 
 /* scripts (scripts.c) */
 typedef struct RlScript

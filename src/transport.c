@@ -57,6 +57,7 @@ typedef struct RlConnection
 	SSL_CTX    *ssl_ctx;		/* with rl_redis.tls */
 	SSL		   *ssl;
 	bool		ready;			/* connected and idle: safe to send */
+	bool		interrupted;	/* an interrupt ended a wait on this server */
 	char		server[300];	/* "host:port" or the socket path */
 } RlConnection;
 
@@ -98,13 +99,30 @@ rl_xact_callback(XactEvent event, void *arg)
 	if ((event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT) &&
 		conn.sock != PGINVALID_SOCKET && !conn.ready)
 		rl_disconnect();
+	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT ||
+		event == XACT_EVENT_COMMIT || event == XACT_EVENT_PARALLEL_COMMIT ||
+		event == XACT_EVENT_PREPARE)
+		conn.interrupted = false;
 }
 
-/* Registers the transaction callback; called once from _PG_init. */
+/*
+ * Registers the transaction callback; called once from _PG_init, before the
+ * other modules register theirs, so that it runs after them.
+ */
 void
 rl_transport_init(void)
 {
 	RegisterXactCallback(rl_xact_callback, NULL);
+}
+
+/*
+ * True when a cancel or timeout ended a wait on Redis in the current
+ * transaction; the clean-up at its end then does not wait on Redis again.
+ */
+bool
+rl_transport_interrupted(void)
+{
+	return conn.interrupted;
 }
 
 /* The server the current (or next) connection goes to, for messages. */
@@ -178,7 +196,9 @@ rl_wait(uint32 events, TimestampTz deadline)
 		if (event.events & WL_LATCH_SET)
 		{
 			ResetLatch(MyLatch);
+			conn.interrupted = true;	/* stays set if this raises */
 			CHECK_FOR_INTERRUPTS();
+			conn.interrupted = false;
 		}
 		if (event.events & events)
 			return true;
@@ -730,6 +750,7 @@ rl_connect(RlFailure *failure)
 		if (!rl_handshake("SELECT", 2, argv, argvlen, deadline, failure))
 			return false;
 	}
+	conn.interrupted = false;
 	return true;
 }
 
