@@ -36,14 +36,20 @@ ALG.sliding = function(key, lim, window_ms, cost, burst, now)
       return {1, lim, lim - used, reset_of(used), 0}, nil
     end
     return {1, lim, lim - used - cost, window_ms, 0}, function()
-      -- members must be unique even for many units in one microsecond
+      -- members must be unique even for many units in one microsecond:
+      -- add them in batches, with more sequence numbers for any that
+      -- happened to exist already
       local seq = used
       local stamp = num(now)
-      for _ = 1, cost do
-        while redis.call('ZADD', key, 'NX', now, stamp .. '-' .. seq) == 0 do
+      local missing = cost
+      while missing > 0 do
+        local batch = {}
+        for _ = 1, math.min(missing, 500) do
+          batch[#batch + 1] = now
+          batch[#batch + 1] = stamp .. '-' .. seq
           seq = seq + 1
         end
-        seq = seq + 1
+        missing = missing - redis.call('ZADD', key, 'NX', unpack(batch))
       end
       redis.call('PEXPIRE', key, window_ms)
     end

@@ -43,3 +43,11 @@ SELECT rl_reset('args:int');
 SELECT rl_sliding_allow('u', 5, 3153600000001);
 SELECT rl_fixed_allow('u', 5, 9200000000000000000);
 SELECT rl_concurrency_acquire_allow('u', 5, 3153600000001);
+-- the sliding log keeps one entry per unit: its lim is capped
+SELECT rl_sliding_allow('u', 100001, 60000);
+SELECT rl_sliding_counter_allow('args:big', 100001, 60000);
+SELECT rl_reset('args:big');
+\set VERBOSITY sqlstate
+INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES ('too.big', 'sliding', 100001, 60000);
+INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES ('too.long', 'fixed', 1, 3153600000001);
+\set VERBOSITY default

@@ -25,3 +25,7 @@ LANGUAGE C;
 -- in policies too.
 ALTER TABLE @extschema@.rl_policy
     ADD CONSTRAINT rl_policy_window_ms_max CHECK (window_ms <= 3153600000000);
+
+-- The sliding window log keeps one entry per unit: at most 100 000.
+ALTER TABLE @extschema@.rl_policy
+    ADD CONSTRAINT rl_policy_sliding_lim_max CHECK (algorithm <> 'sliding' OR lim <= 100000);

@@ -8,12 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 calls=${BENCH_CALLS:-2000}
 
-bash sql_tests/install_deps.sh
-sudo=
-[ "$(id -u)" = 0 ] || sudo=sudo
-make -s >/dev/null
-$sudo make -s install >/dev/null
 . sql_tests/lib.sh
+rl_build_install
 rl_cluster_start
 psql -X -q -c 'CREATE EXTENSION rl_redis'
 

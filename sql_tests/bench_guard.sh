@@ -11,12 +11,8 @@ rows=${BENCH_ROWS:-100000}
 runs=${BENCH_RUNS:-9}
 row_runs=${BENCH_ROW_RUNS:-3}
 
-bash sql_tests/install_deps.sh
-sudo=
-[ "$(id -u)" = 0 ] || sudo=sudo
-make -s >/dev/null
-$sudo make -s install >/dev/null
 . sql_tests/lib.sh
+rl_build_install
 rl_cluster_start
 
 psql -X -q -v ON_ERROR_STOP=1 -v rows="$rows" -v runs="$runs" -v row_runs="$row_runs" <<'SQL'

@@ -4,6 +4,7 @@
 #
 # Usage (from bash):
 #   . sql_tests/lib.sh
+#   rl_build_install            # packages, build, install
 #   rl_cluster_start            # sets RL_DIR, RL_PGPORT, RL_REDIS_PORT, PG* vars
 #   ...                         # psql works, Redis answers on $RL_REDIS_PORT
 #   rl_cluster_stop             # also registered as an EXIT trap
@@ -11,7 +12,15 @@
 # PostgreSQL refuses to run as root, so when this runs as root the cluster is
 # owned by, and started as, the unprivileged "postgres" user.
 
-RL_PGBIN=${RL_PGBIN:-$(pg_config --bindir)}
+# Installs the packages that are missing (sql_tests/install_deps.sh), then
+# builds and installs the extension; sudo for the install when not root.
+rl_build_install() {
+	local sudo=
+	[ "$(id -u)" = 0 ] || sudo=sudo
+	bash sql_tests/install_deps.sh || return 1
+	make -s >/dev/null || return 1
+	$sudo make -s install >/dev/null || return 1
+}
 
 # Prints a TCP port on 127.0.0.1 that nothing listens on right now.
 rl_free_port() {
@@ -44,6 +53,7 @@ rl_wait_redis() {
 # Starts Redis and PostgreSQL in a new temporary folder and exports the
 # variables that psql, pg_regress and the Python tests read.
 rl_cluster_start() {
+	RL_PGBIN=${RL_PGBIN:-$(pg_config --bindir)}
 	RL_DIR=$(mktemp -d "${TMPDIR:-/tmp}/rl_redis_test.XXXXXX")
 	chmod 755 "$RL_DIR"
 	[ "$(id -u)" = 0 ] && chown postgres "$RL_DIR"

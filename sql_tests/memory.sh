@@ -20,15 +20,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-bash sql_tests/install_deps.sh || exit 1
-
-sudo=
-[ "$(id -u)" = 0 ] || sudo=sudo
-make -s clean >/dev/null
-make -s || exit 1
-$sudo make -s install >/dev/null || exit 1
-
 . sql_tests/lib.sh
+rl_build_install || exit 1
 rl_cluster_start || exit 1
 
 IDENT='tenant1:user7'

@@ -580,3 +580,27 @@ def test_abort_after_interrupted_wait_does_not_wait_again(pg, redis_factory):
     r.resume()
     # the session works again, on a new connection
     assert allow(pg, new_ident("abort_hung_after")) is True
+
+
+def test_reload_with_same_settings_keeps_the_connection(pg, redis_factory):
+    """pg_reload_conf() assigns every setting again; unchanged connection
+    settings must not make the backend reconnect."""
+    r = redis_factory()
+    use_redis(pg, r)
+    identity = new_ident("reload")
+
+    def connections():
+        info = r.cli("INFO", "stats")
+        return int(info.split("total_connections_received:")[1].split()[0])
+
+    assert allow(pg, identity) is True
+    before = connections()
+    for _ in range(3):
+        pg.execute("SELECT pg_reload_conf()")
+        time.sleep(0.2)  # the reload signal reaches the backend
+        pg.execute("SELECT 1")
+        assert allow(pg, identity) is True
+        pg.execute("SET rl_redis.port = %d" % r.port)  # the same value again
+        assert allow(pg, identity) is True
+    # only redis-cli's own INFO connections are new
+    assert connections() - before == 1

@@ -87,6 +87,7 @@ rl_parse_limit_spec(const char *arg, RlLimit *limit)
 		limit->lim = (int32) lim;
 		limit->window_ms = window;
 		limit->burst = (int32) burst;
+		rl_check_limit(limit);
 		return true;
 	}
 	return false;

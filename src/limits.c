@@ -96,6 +96,14 @@ rl_check_limit(const RlLimit *limit)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("window_ms must be at most " INT64_FORMAT " (100 years)",
 						RL_MAX_WINDOW_MS)));
+	if (limit->algorithm == &rl_algorithms[RL_SLIDING] &&
+		limit->lim > RL_MAX_SLIDING_LIM)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("lim of a sliding window log must be at most %d",
+						RL_MAX_SLIDING_LIM),
+				 errdetail("The log keeps one entry per unit in the window."),
+				 errhint("Use rl_sliding_counter for larger limits.")));
 	if (limit->burst < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),

@@ -159,6 +159,7 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 	if (isnull)
 		found.limit.burst = 0;
 	SPI_finish();
+	rl_check_limit(&found.limit);
 
 	/* an invalidation during the query may have made the cache stale */
 	rl_policy_refresh(fcinfo);

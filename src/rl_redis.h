@@ -135,6 +135,13 @@ typedef struct RlDecision
  */
 #define RL_MAX_WINDOW_MS INT64CONST(3153600000000)
 
+/*
+ * The largest lim of the sliding window log, which keeps one sorted-set
+ * entry per unit: 100 000 entries are about 11 MB, and a call that takes
+ * them all holds Redis for about 0.15 s.
+ */
+#define RL_MAX_SLIDING_LIM 100000
+
 /* The arguments of one limit. */
 typedef struct RlLimit
 {

@@ -65,6 +65,9 @@ static RlConnection conn = {PGINVALID_SOCKET};
 
 /* reused for every command, so that a call allocates nothing */
 static StringInfoData out;
+
+/* the connection settings the open connection was made with */
+static StringInfoData conn_settings;
 static char inbuf[16384];
 
 /* Closes the socket and frees everything that belongs to the connection. */
@@ -645,6 +648,39 @@ rl_handshake(const char *what, int argc, const char **argv,
 	return true;
 }
 
+/* Writes the current connection settings into buf, to compare. */
+static void
+rl_settings_signature(StringInfo buf)
+{
+	resetStringInfo(buf);
+	appendStringInfo(buf, "%s%c%d%c%s%c%s%c%d%c%d%c%s%c%s%c%s%c%s",
+					 rl_host, 0, rl_port, 0, rl_username, 0, rl_password, 0,
+					 rl_database, 0, (int) rl_tls, 0, rl_tls_ca_file, 0,
+					 rl_tls_cert_file, 0, rl_tls_key_file, 0, rl_tls_server_name);
+}
+
+/*
+ * True when a connection setting was assigned a value that differs from
+ * what the open connection was made with (a reload that assigns the same
+ * values again keeps the connection).
+ */
+static bool
+rl_settings_changed(void)
+{
+	StringInfoData now;
+	bool		changed;
+
+	rl_connection_settings_changed = false;
+	if (!conn.ready)
+		return true;
+	initStringInfo(&now);
+	rl_settings_signature(&now);
+	changed = now.len != conn_settings.len ||
+		memcmp(now.data, conn_settings.data, now.len) != 0;
+	pfree(now.data);
+	return changed;
+}
+
 /* Opens a new connection from the current settings, with AUTH and SELECT. */
 static bool
 rl_connect(RlFailure *failure)
@@ -654,6 +690,14 @@ rl_connect(RlFailure *failure)
 	rl_disconnect();
 	rl_connection_settings_changed = false;
 	rl_server_name();
+	if (conn_settings.data == NULL)
+	{
+		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
+
+		initStringInfo(&conn_settings);
+		MemoryContextSwitchTo(old);
+	}
+	rl_settings_signature(&conn_settings);
 
 	if (rl_host[0] == '/')
 	{
@@ -804,8 +848,9 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 
 	if (rl_connection_settings_changed)
 	{
-		rl_breaker_reset();		/* another server: try it at once */
-		conn.ready = false;
+		rl_breaker_reset();		/* settings were set: try at once */
+		if (rl_settings_changed())
+			conn.ready = false;
 	}
 	else if (rl_breaker_open(failure))
 		return NULL;

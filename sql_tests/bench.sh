@@ -1,0 +1,340 @@
+#!/usr/bin/env bash
+# The benchmark (`make bench`). A measurement, not a test: it prints figures
+# and exits 0 whether or not the targets are met; non-zero only when
+# something could not be built, started or run.
+#
+# Installs missing packages, builds and installs the extension, starts a
+# throwaway Redis and PostgreSQL on free loopback ports (sql_tests/lib.sh),
+# and compares each rate-limit function with the two round trips it cannot
+# avoid, one to PostgreSQL and one to Redis:
+#
+#   R1 = latency(SELECT rl_X_allow(...), 1 client)
+#        / (latency(SELECT 1, 1 client) + latency(the same EVALSHA, 1 client))
+#        target <= 1.03
+#   E8 = TPS(SELECT rl_X_allow(...), 8 clients) / H,
+#        H = 1 / (1/TPS(SELECT 1, 8 clients) + 1/TPS(the same EVALSHA, 8 clients))
+#        target >= 0.90
+#
+# PostgreSQL side: pgbench -n -M prepared -T $BENCH_SECONDS over TCP
+# loopback, 100000 random identities, a limit that is never reached.
+# Redis side: redis-benchmark sending the very command the extension sends
+# for that call: EVALSHA of the script compiled into the library (built by
+# src/embed_lua.sh from lua/), with the same arguments, on the same key
+# layout rl:<algorithm>:{bench:<n>}. The command is taken from Redis's
+# SLOWLOG after one call of the function, so it stays right when the
+# scripts or their arguments change.
+#
+# Environment:
+#   BENCH_SECONDS  length of every measured run (default 10)
+#   BENCH_ROUNDS   rounds of all runs, interleaved; the table shows medians
+#                  (default 3: on a small shared machine single runs of a
+#                  few seconds differ by more than the 3 % the targets allow)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BENCH_SECONDS=${BENCH_SECONDS:-10}
+BENCH_ROUNDS=${BENCH_ROUNDS:-3}
+IDENTITIES=100000
+WARMUP_SECONDS=2
+ALGORITHMS=(sliding fixed)
+
+die() {
+	echo "bench: $*" >&2
+	exit 1
+}
+
+[[ $BENCH_SECONDS =~ ^[1-9][0-9]*$ ]] || die "BENCH_SECONDS must be a positive integer"
+[[ $BENCH_ROUNDS =~ ^[1-9][0-9]*$ ]] || die "BENCH_ROUNDS must be a positive integer"
+
+. sql_tests/lib.sh
+rl_build_install || die "could not install the packages, build or install"
+installed_so="$(pg_config --pkglibdir)/rl_redis.so"
+so_sum=$(md5sum <"$installed_so")
+
+for tool in pgbench redis-benchmark redis-cli psql /usr/bin/python3; do
+	command -v "$tool" >/dev/null || die "$tool not found"
+done
+
+rl_cluster_start || die "could not start Redis and PostgreSQL"
+
+rcli() {
+	redis-cli -p "$RL_REDIS_PORT" "$@"
+}
+
+psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION rl_redis' || die "CREATE EXTENSION failed"
+
+work="$RL_DIR/bench"
+mkdir -p "$work" || die "cannot create $work"
+
+# ---------------------------------------------------------------------------
+# the workloads
+
+# pgbench scripts: select1, fixed, sliding
+echo 'SELECT 1;' >"$work/select1.sql"
+for alg in "${ALGORITHMS[@]}"; do
+	cat >"$work/$alg.sql" <<-EOF
+		\set id random(1, $IDENTITIES)
+		SELECT rl_${alg}_allow('bench:' || :id, 1000000, 60000);
+	EOF
+done
+
+# capture ALG: prints, one argument a line, the Redis command that
+# rl_ALG_allow('bench:probe', 1000000, 60000) sends, as SLOWLOG records it
+# (the second of two calls: the first may have to load the script).
+capture() {
+	local alg=$1 old
+	old=$(rcli CONFIG GET slowlog-log-slower-than | tail -1)
+	rcli CONFIG SET slowlog-log-slower-than 0 >/dev/null &&
+		rcli SLOWLOG RESET >/dev/null || return 1
+	psql -X -q -A -t -v ON_ERROR_STOP=1 \
+		-c "SELECT rl_${alg}_allow('bench:probe', 1000000, 60000)" \
+		-c "SELECT rl_${alg}_allow('bench:probe', 1000000, 60000)" >/dev/null || return 1
+	rcli CONFIG SET slowlog-log-slower-than "$old" >/dev/null || return 1
+	rcli --json SLOWLOG GET 128 | /usr/bin/python3 -c '
+import json, sys
+for entry in json.load(sys.stdin):          # newest first
+    args = entry[3]
+    if args and args[0].upper() == "EVALSHA" and any("{bench:probe}" in a for a in args):
+        if len(args) >= 32 or any(a.endswith("more bytes)") or "\n" in a for a in args):
+            sys.exit("the command is too long for SLOWLOG: %r" % args)
+        print("\n".join(args))
+        sys.exit(0)
+sys.exit("no EVALSHA on the key of bench:probe in SLOWLOG")
+'
+}
+
+# cmd_ALG: the extension's command with the identity bench:__rand_int__,
+# which redis-benchmark -r replaces by a random number on every request
+declare -A script_name
+for alg in "${ALGORITHMS[@]}"; do
+	mapfile -t probe < <(capture "$alg")
+	[ ${#probe[@]} -ge 4 ] || die "could not capture the Redis command of rl_${alg}_allow"
+	declare -n cmd=cmd_$alg
+	cmd=("${probe[@]//\{bench:probe\}/\{bench:__rand_int__\}}")
+	# the script's name in src/lua_scripts.h, which the library was built from
+	script_name[$alg]=$(sed -n "s/^static const char RL_LUA_\([A-Z_]*\)_SHA\[\] = \"${cmd[1]}\";$/\1/p" src/lua_scripts.h)
+	# one call on the benchmark's key layout must be allowed
+	reply=$(rcli "${cmd[@]//__rand_int__/check}" | head -1)
+	[ "$reply" = 1 ] || die "replaying the command of rl_${alg}_allow did not allow a call (reply: $reply)"
+	unset -n cmd
+done
+
+flush() {
+	[ "$(rcli FLUSHALL)" = OK ] || die "FLUSHALL failed"
+}
+
+# run_pgbench SCRIPT CLIENTS SECONDS: prints the TPS (without the initial
+# connection time). pgbench's "latency average" is 1000 * clients / TPS when
+# neither -R nor -P is used, printed to 3 decimals only, so latencies are
+# computed from the TPS instead.
+run_pgbench() {
+	local script=$1 clients=$2 seconds=$3 threads=1 out tps failed
+	[ "$clients" -gt 1 ] && threads=2
+	out=$(pgbench -n -M prepared -T "$seconds" -c "$clients" -j "$threads" \
+		-f "$work/$script.sql" 2>&1) ||
+		{ echo "$out" >&2; die "pgbench $script -c $clients failed"; }
+	failed=$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' <<<"$out")
+	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' <<<"$out")
+	if [ -z "$tps" ] || [ "${failed:-0}" != 0 ]; then
+		echo "$out" >&2
+		die "pgbench $script -c $clients: no TPS or failed transactions"
+	fi
+	echo "$tps"
+}
+
+# run_redis ALG CLIENTS REQUESTS: prints "rps avg_latency_ms" from
+# redis-benchmark --csv (header "test","rps","avg_latency_ms",...; the
+# latency has 3 decimals, i.e. 1 microsecond resolution).
+run_redis() {
+	local alg=$1 clients=$2 requests=$3 out before after
+	local -n cmd=cmd_$alg
+	before=$(rcli DBSIZE)
+	out=$(redis-benchmark -p "$RL_REDIS_PORT" -c "$clients" -n "$requests" \
+		-r "$IDENTITIES" --csv "${cmd[@]}" 2>&1) ||
+		{ echo "$out" >&2; die "redis-benchmark $alg -c $clients failed"; }
+	after=$(rcli DBSIZE)
+	# redis-benchmark keeps going when the server answers with errors
+	[ "$after" -gt "$before" ] ||
+		{ echo "$out" >&2; die "redis-benchmark $alg -c $clients wrote no keys"; }
+	awk -F, '
+		/^"test"/ { for (i = 1; i <= NF; i++) { gsub(/"/, "", $i); col[$i] = NF - i }; next }
+		/^"/ && ("rps" in col) { gsub(/"/, ""); print $(NF - col["rps"]), $(NF - col["avg_latency_ms"]); found = 1 }
+		END { exit !found }
+	' <<<"$out" || { echo "$out" >&2; die "cannot read redis-benchmark's CSV"; }
+}
+
+# requests for a redis-benchmark run of about BENCH_SECONDS at rate rps
+requests_for() {
+	awk -v rps="$1" -v s="$BENCH_SECONDS" 'BEGIN { n = int(rps * s); if (n < 10000) n = 10000; print n }'
+}
+
+# median of the arguments
+median() {
+	printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# shows a command with empty arguments as ''
+show_cmd() {
+	local a out=
+	for a in "$@"; do
+		[ -z "$a" ] && a="''"
+		out+="$a "
+	done
+	echo "${out% }"
+}
+
+# ---------------------------------------------------------------------------
+# machine
+
+cpu_model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+pg_version=$(psql -X -A -t -c 'SHOW server_version')
+ext_version=$(psql -X -A -t -c "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'")
+redis_version=$(rcli INFO server | tr -d '\r' | sed -n 's/^redis_version://p')
+echo "== rl_redis benchmark"
+echo "machine     : $(nproc) CPUs${cpu_model:+ ($cpu_model)}, $(uname -sr)"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) (before the runs)"
+echo "PostgreSQL  : $pg_version, pgbench $(pgbench --version | awk '{ print $3 }'), rl_redis $ext_version"
+echo "Redis       : $redis_version, $(redis-benchmark --version | head -1)"
+echo "runs        : ${BENCH_SECONDS} s each, $BENCH_ROUNDS round(s), loopback TCP, $IDENTITIES identities, pgbench -n -M prepared"
+for alg in "${ALGORITHMS[@]}"; do
+	declare -n cmd=cmd_$alg
+	echo "rl_${alg}_allow sends: $(show_cmd "${cmd[@]//__rand_int__/<n>}")"
+	echo "  (script ${script_name[$alg]:-NOT FOUND in src/lua_scripts.h}; redis-benchmark replays this command)"
+	unset -n cmd
+done
+
+# ---------------------------------------------------------------------------
+# warm-up: every workload once, short; also sizes the redis-benchmark runs
+
+echo
+echo "warm-up (${WARMUP_SECONDS} s per workload) ..."
+flush
+declare -A nreq
+for c in 1 8; do
+	for w in select1 "${ALGORITHMS[@]}"; do
+		run_pgbench "$w" "$c" "$WARMUP_SECONDS" >/dev/null
+		flush
+	done
+	for alg in "${ALGORITHMS[@]}"; do
+		read -r rps _ < <(run_redis "$alg" "$c" 20000) || die "warm-up of redis-benchmark failed"
+		[ -n "${rps:-}" ] || die "warm-up of redis-benchmark $alg -c $c gave no figures"
+		nreq[$alg.$c]=$(requests_for "$rps")
+		flush
+	done
+done
+
+# ---------------------------------------------------------------------------
+# measured rounds; every run starts from an empty Redis (FLUSHALL)
+
+declare -A tps rrps rlat
+for ((r = 1; r <= BENCH_ROUNDS; r++)); do
+	echo "round $r of $BENCH_ROUNDS ..."
+	for c in 1 8; do
+		for w in select1 "${ALGORITHMS[@]}"; do
+			tps[$w.$c.$r]=$(run_pgbench "$w" "$c" "$BENCH_SECONDS") || exit 1
+			flush
+		done
+		for alg in "${ALGORITHMS[@]}"; do
+			read -r rrps[$alg.$c.$r] rlat[$alg.$c.$r] < <(run_redis "$alg" "$c" "${nreq[$alg.$c]}")
+			[ -n "${rlat[$alg.$c.$r]:-}" ] || die "redis-benchmark $alg -c $c gave no figures"
+			nreq[$alg.$c]=$(requests_for "${rrps[$alg.$c.$r]}") # keep runs near BENCH_SECONDS
+			flush
+		done
+	done
+done
+
+# ---------------------------------------------------------------------------
+# figures
+
+# calc EXPR: evaluates an awk expression
+calc() {
+	awk "BEGIN { printf \"%.6f\", $1 }"
+}
+
+# values KEYPREFIX ARRAY: the array's values of every round
+values() {
+	local -n arr=$2
+	local r
+	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
+		echo "${arr[$1.$r]}"
+	done
+}
+
+# fig FORMAT VALUE...: "median (min..max)" of the values, or the value alone
+fig() {
+	local fmt=$1
+	shift
+	if [ $# -eq 1 ]; then
+		printf "$fmt" "$1"
+	else
+		printf "$fmt (%s..%s)" "$(median "$@")" \
+			"$(printf "$fmt" "$(printf '%s\n' "$@" | sort -g | head -1)")" \
+			"$(printf "$fmt" "$(printf '%s\n' "$@" | sort -g | tail -1)")"
+	fi
+}
+
+# latencies in ms of the 1-client pgbench runs of a workload, per round
+pg_lat() {
+	local r
+	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
+		calc "1000 / ${tps[$1.1.$r]}"
+		echo
+	done
+}
+
+# per round: R1 and E8 of each algorithm
+declare -A R1 E8
+for alg in "${ALGORITHMS[@]}"; do
+	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
+		R1[$alg.$r]=$(calc "(1000 / ${tps[$alg.1.$r]}) / (1000 / ${tps[select1.1.$r]} + ${rlat[$alg.1.$r]})")
+		E8[$alg.$r]=$(calc "${tps[$alg.8.$r]} * (1 / ${tps[select1.8.$r]} + 1 / ${rrps[$alg.8.$r]})")
+	done
+done
+
+rounds_of() {
+	local -n arr=$2
+	local r list=
+	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
+		list+="$(printf '%.3f' "${arr[$1.$r]}") "
+	done
+	echo "${list% }"
+}
+
+echo
+if [ "$BENCH_ROUNDS" -gt 1 ]; then
+	echo "raw figures: median of $BENCH_ROUNDS rounds (min..max)"
+else
+	echo "raw figures"
+fi
+row() {
+	printf '  %-46s  %-30s  %s\n' "$1" "$2" "$3"
+}
+row "" "1 client: latency ms" "8 clients: TPS"
+row "pgbench          SELECT 1" "$(fig %.4f $(pg_lat select1))" "$(fig %.0f $(values select1.8 tps))"
+for alg in "${ALGORITHMS[@]}"; do
+	row "pgbench          SELECT rl_${alg}_allow(...)" "$(fig %.4f $(pg_lat "$alg"))" \
+		"$(fig %.0f $(values "$alg.8" tps))"
+	row "redis-benchmark  EVALSHA of rl_${alg}_allow" "$(fig %.4f $(values "$alg.1" rlat))" \
+		"$(fig %.0f $(values "$alg.8" rrps))"
+done
+echo "  pgbench latency = 1000 / TPS of the 1-client run (what pgbench's \"latency average\""
+echo "  is, without its rounding to 1 us); redis-benchmark latency = its avg_latency_ms"
+echo "  of the 1-client run (1 us resolution); 8-client pgbench runs use -j 2."
+
+echo
+printf '%-22s %8s %8s  %-8s %s\n' "ratio" "value" "target" "verdict" "per round"
+for alg in "${ALGORITHMS[@]}"; do
+	v=$(median $(values "$alg" R1))
+	verdict=$(awk -v v="$v" 'BEGIN { print (v <= 1.03) ? "met" : "MISSED" }')
+	printf '%-22s %8.3f %8s  %-8s %s\n' "R1 rl_${alg}_allow" "$v" "<= 1.03" "$verdict" "$(rounds_of "$alg" R1)"
+	v=$(median $(values "$alg" E8))
+	verdict=$(awk -v v="$v" 'BEGIN { print (v >= 0.90) ? "met" : "MISSED" }')
+	printf '%-22s %8.3f %8s  %-8s %s\n' "E8 rl_${alg}_allow" "$v" ">= 0.90" "$verdict" "$(rounds_of "$alg" E8)"
+done
+echo "(each round's ratios come from runs made one after the other; the value is their median)"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) (after the runs)"
+if [ "$(md5sum <"$installed_so")" != "$so_sum" ]; then
+	echo "WARNING: $installed_so was replaced during the run (another make install?);"
+	echo "         backends started after that ran the other build, so the figures may mix builds."
+fi
+exit 0
