@@ -21,7 +21,10 @@
 
 #include "catalog/pg_type.h"
 #include "commands/trigger.h"
+#include "common/hashfn.h"
+#include "executor/executor.h"
 #include "executor/spi.h"
+#include "utils/tuplestore.h"
 #include "utils/builtins.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
@@ -40,6 +43,8 @@ typedef struct RlGuard
 	int			ncolumns;
 	AttrNumber *columns;		/* identity columns */
 	char	  **column_names;
+	Oid		   *column_types;
+	FmgrInfo   *column_output;	/* their output functions */
 	AttrNumber	cost_column;	/* InvalidAttrNumber when none */
 	char	   *cost_name;
 	Oid			cost_type;
@@ -153,14 +158,27 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 	list = pstrdup(trigger->tgargs[1]);
 	guard->columns = palloc(sizeof(AttrNumber) * (strlen(list) + 1));
 	guard->column_names = palloc(sizeof(char *) * (strlen(list) + 1));
+	guard->column_types = palloc(sizeof(Oid) * (strlen(list) + 1));
+	guard->column_output = palloc(sizeof(FmgrInfo) * (strlen(list) + 1));
 	for (tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
 	{
+		Oid			typoutput;
+		bool		varlena;
+		AttrNumber	attnum;
+
 		while (*tok == ' ')
 			tok++;
 		for (i = strlen(tok); i > 0 && tok[i - 1] == ' '; i--)
 			tok[i - 1] = '\0';
+		attnum = rl_guard_column(rel, tok);
 		guard->column_names[guard->ncolumns] = tok;
-		guard->columns[guard->ncolumns++] = rl_guard_column(rel, tok);
+		guard->columns[guard->ncolumns] = attnum;
+		guard->column_types[guard->ncolumns] =
+			TupleDescAttr(RelationGetDescr(rel), attnum - 1)->atttypid;
+		getTypeOutputInfo(guard->column_types[guard->ncolumns], &typoutput, &varlena);
+		fmgr_info_cxt(typoutput, &guard->column_output[guard->ncolumns],
+					  fcinfo->flinfo->fn_mcxt);
+		guard->ncolumns++;
 	}
 	if (guard->ncolumns == 0)
 		ereport(ERROR,
@@ -209,21 +227,23 @@ rl_guard_denied(RlGuard *guard, Relation rel, const char *identity,
 			 errtable(rel)));
 }
 
-/* The identity of one row: its identity columns' text joined with ':'. */
-static char *
-rl_guard_identity(RlGuard *guard, Relation rel, HeapTuple tuple)
+/*
+ * Writes the identity of the row in slot into buf: its identity columns'
+ * text joined with ':'. Integers and text are written directly, other
+ * types through their output functions.
+ */
+static void
+rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
+				  StringInfo buf)
 {
-	TupleDesc	tupdesc = RelationGetDescr(rel);
-	StringInfoData buf;
 	int			i;
 
-	initStringInfo(&buf);
+	resetStringInfo(buf);
 	for (i = 0; i < guard->ncolumns; i++)
 	{
 		bool		isnull;
-		Datum		value = heap_getattr(tuple, guard->columns[i], tupdesc, &isnull);
-		Oid			typoutput;
-		bool		varlena;
+		Datum		value = slot_getattr(slot, guard->columns[i], &isnull);
+		char		num[24];
 
 		if (isnull)
 			ereport(ERROR,
@@ -234,29 +254,61 @@ rl_guard_identity(RlGuard *guard, Relation rel, HeapTuple tuple)
 							   RelationGetRelationName(rel), guard->limit_arg,
 							   quote_identifier(guard->column_names[i])),
 					 errtable(rel)));
-		getTypeOutputInfo(TupleDescAttr(tupdesc, guard->columns[i] - 1)->atttypid,
-						  &typoutput, &varlena);
 		if (i > 0)
-			appendStringInfoChar(&buf, ':');
-		appendStringInfoString(&buf, OidOutputFunctionCall(typoutput, value));
+			appendStringInfoChar(buf, ':');
+		switch (guard->column_types[i])
+		{
+			case INT2OID:
+				appendBinaryStringInfo(buf, num, pg_ltoa(DatumGetInt16(value), num));
+				break;
+			case INT4OID:
+				appendBinaryStringInfo(buf, num, pg_ltoa(DatumGetInt32(value), num));
+				break;
+			case INT8OID:
+				appendBinaryStringInfo(buf, num, pg_lltoa(DatumGetInt64(value), num));
+				break;
+			case TEXTOID:
+			case VARCHAROID:
+				{
+					text	   *t = DatumGetTextPP(value);
+
+					appendBinaryStringInfo(buf, VARDATA_ANY(t), VARSIZE_ANY_EXHDR(t));
+					break;
+				}
+			default:
+				appendStringInfoString(buf, OutputFunctionCall(&guard->column_output[i],
+															   value));
+		}
 	}
-	if (buf.len == 0)
+	if (buf->len == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("identity must not be empty"),
 				 errtable(rel)));
-	return buf.data;
 }
 
-/* Checks a cost value: not NULL, not negative, fits an integer. */
+/*
+ * Returns the cost of the row in slot: its cost column (not NULL, not
+ * negative, fits an integer), or 1 without one.
+ */
 static int32
-rl_guard_cost(RlGuard *guard, Relation rel, bool isnull, int64 cost)
+rl_guard_cost(RlGuard *guard, Relation rel, TupleTableSlot *slot)
 {
+	bool		isnull;
+	Datum		value;
+	int64		cost;
+
+	if (guard->cost_column == InvalidAttrNumber)
+		return 1;
+	value = slot_getattr(slot, guard->cost_column, &isnull);
 	if (isnull)
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("cost column \"%s\" must not be null", guard->cost_name),
 				 errtable(rel)));
+	cost = guard->cost_type == INT2OID ? DatumGetInt16(value) :
+		guard->cost_type == INT4OID ? DatumGetInt32(value) :
+		DatumGetInt64(value);
 	if (cost < 0 || cost > PG_INT32_MAX)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -279,9 +331,9 @@ rl_guard(PG_FUNCTION_ARGS)
 	RlGuard    *guard = rl_guard_setup(fcinfo, "rl_guard");
 	Relation	rel = trigdata->tg_relation;
 	HeapTuple	tuple;
-	char	   *identity;
-	text	   *identity_text;
-	int32		cost = 1;
+	TupleTableSlot *slot;
+	StringInfoData identity;
+	int32		cost;
 	RlDecision	d;
 
 	if (!TRIGGER_FIRED_FOR_ROW(trigdata->tg_event) ||
@@ -293,27 +345,20 @@ rl_guard(PG_FUNCTION_ARGS)
 
 	tuple = TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event) ?
 		trigdata->tg_newtuple : trigdata->tg_trigtuple;
+	slot = TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event) ?
+		trigdata->tg_newslot : trigdata->tg_trigslot;
 
-	if (guard->cost_column != InvalidAttrNumber)
-	{
-		bool		isnull;
-		Datum		value = heap_getattr(tuple, guard->cost_column,
-										 RelationGetDescr(rel), &isnull);
-		int64		raw = 0;
-
-		if (!isnull)
-			raw = guard->cost_type == INT2OID ? DatumGetInt16(value) :
-				guard->cost_type == INT4OID ? DatumGetInt32(value) :
-				DatumGetInt64(value);
-		cost = rl_guard_cost(guard, rel, isnull, raw);
-	}
-	identity = rl_guard_identity(guard, rel, tuple);
+	cost = rl_guard_cost(guard, rel, slot);
+	initStringInfo(&identity);
+	rl_guard_identity(guard, rel, slot, &identity);
 	if (cost > 0)
 	{
-		identity_text = cstring_to_text(identity);
+		text	   *identity_text = cstring_to_text_with_len(identity.data,
+															 identity.len);
+
 		rl_decide_limit(&guard->limit, identity_text, guard->policy, cost, &d);
 		if (!d.allowed)
-			rl_guard_denied(guard, rel, identity, &d);
+			rl_guard_denied(guard, rel, identity.data, &d);
 		if (d.from_redis)
 			rl_remember_charge(&guard->limit,
 							   rl_build_key(guard->limit.algorithm->name,
@@ -323,12 +368,22 @@ rl_guard(PG_FUNCTION_ARGS)
 	return PointerGetDatum(tuple);
 }
 
+/* One identity of a statement and the units its rows cost. */
+typedef struct RlGroup
+{
+	uint64		hash;			/* hash key: of the identity's bytes */
+	char	   *identity;
+	int			len;
+	int64		units;
+	struct RlGroup *next;		/* another identity with the same hash */
+} RlGroup;
+
 PG_FUNCTION_INFO_V1(rl_guard_statement);
 
 /*
  * Statement guard: reads the statement's new rows from its transition
- * table, charges each identity its rows (or their cost) in one script call,
- * all or nothing, and raises PT429 when any identity is denied.
+ * table, adds up each identity's units, charges every identity in one
+ * script call, all or nothing, and raises PT429 when any is denied.
  */
 Datum
 rl_guard_statement(PG_FUNCTION_ARGS)
@@ -336,103 +391,119 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	TriggerData *trigdata = (TriggerData *) fcinfo->context;
 	RlGuard    *guard = rl_guard_setup(fcinfo, "rl_guard_statement");
 	Relation	rel = trigdata->tg_relation;
-	StringInfoData query;
+	Tuplestorestate *rows = trigdata->tg_newtable;
+	TupleTableSlot *slot;
+	StringInfoData identity;
+	HASHCTL		ctl;
+	HTAB	   *groups;
+	HASH_SEQ_STATUS seq;
+	RlGroup    *group;
+	RlGroup   **list;
 	RlCharge   *charges;
-	char	  **identities;
-	uint64		n,
-				i;
+	int			n = 0;
+	int			readptr;
 	int			worst;
+	int			i;
 	RlDecision	d;
 	RlFailure	failure;
-	int			c;
 
 	if (!TRIGGER_FIRED_FOR_STATEMENT(trigdata->tg_event) ||
-		!TRIGGER_FIRED_AFTER(trigdata->tg_event) ||
-		trigdata->tg_trigger->tgnewtable == NULL)
+		!TRIGGER_FIRED_AFTER(trigdata->tg_event) || rows == NULL)
 		ereport(ERROR,
 				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
 				 errmsg("rl_guard_statement must be fired AFTER ... FOR EACH STATEMENT with REFERENCING NEW TABLE"),
 				 errhint("For example: CREATE TRIGGER t AFTER INSERT ON tbl REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('free', 'tenant_id').")));
 
-	/*
-	 * Units per identity, grouped by the executor on the raw columns (so
-	 * only one value per group is turned into text), with the NULL checks.
-	 */
-	initStringInfo(&query);
-	appendStringInfoString(&query, "SELECT concat_ws(':'");
-	for (c = 0; c < guard->ncolumns; c++)
-		appendStringInfo(&query, ", %s::text", quote_identifier(guard->column_names[c]));
-	if (guard->cost_column != InvalidAttrNumber)
-		appendStringInfo(&query, "), sum(%s)::bigint, bool_or(%s IS NULL), min(%s)::bigint",
-						 quote_identifier(guard->cost_name),
-						 quote_identifier(guard->cost_name),
-						 quote_identifier(guard->cost_name));
-	else
-		appendStringInfoString(&query, "), count(*)::bigint, false, 0::bigint");
-	appendStringInfoString(&query, ", ");
-	for (c = 0; c < guard->ncolumns; c++)
-		appendStringInfo(&query, "%s%s IS NULL", c > 0 ? " OR " : "",
-						 quote_identifier(guard->column_names[c]));
-	appendStringInfo(&query, " FROM %s GROUP BY ",
-					 quote_identifier(trigdata->tg_trigger->tgnewtable));
-	for (c = 0; c < guard->ncolumns; c++)
-		appendStringInfo(&query, "%s%s", c > 0 ? ", " : "",
-						 quote_identifier(guard->column_names[c]));
+	ctl.keysize = sizeof(uint64);
+	ctl.entrysize = sizeof(RlGroup);
+	ctl.hcxt = CurrentMemoryContext;
+	groups = hash_create("rl_guard_statement identities", 256, &ctl,
+						 HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	if (SPI_register_trigger_data(trigdata) != SPI_OK_TD_REGISTER)
-		elog(ERROR, "SPI_register_trigger_data failed");
-	if (SPI_execute(query.data, true, 0) != SPI_OK_SELECT)
-		elog(ERROR, "could not read the new rows of \"%s\"", RelationGetRelationName(rel));
-
-	n = SPI_processed;
-	charges = palloc(sizeof(RlCharge) * (n > 0 ? n : 1));
-	identities = palloc(sizeof(char *) * (n > 0 ? n : 1));
-	for (i = 0; i < n; i++)
+	/* a read pointer of our own, as other readers may share the rows */
+	slot = MakeSingleTupleTableSlot(RelationGetDescr(rel), &TTSOpsMinimalTuple);
+	readptr = tuplestore_alloc_read_pointer(rows, EXEC_FLAG_REWIND);
+	tuplestore_select_read_pointer(rows, readptr);
+	tuplestore_rescan(rows);
+	initStringInfo(&identity);
+	while (tuplestore_gettupleslot(rows, true, false, slot))
 	{
-		HeapTuple	tuple = SPI_tuptable->vals[i];
-		TupleDesc	tupdesc = SPI_tuptable->tupdesc;
-		bool		isnull;
-		bool		cost_null = DatumGetBool(SPI_getbinval(tuple, tupdesc, 3, &isnull));
-		int64		cost_min = DatumGetInt64(SPI_getbinval(tuple, tupdesc, 4, &isnull));
-		int64		units;
+		int32		cost = rl_guard_cost(guard, rel, slot);
+		uint64		hash;
+		bool		found;
+		RlGroup    *head;
 
-		if (DatumGetBool(SPI_getbinval(tuple, tupdesc, 5, &isnull)))
-			ereport(ERROR,
-					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-					 errmsg("identity columns \"%s\" must not be null",
-							trigdata->tg_trigger->tgargs[1]),
-					 errtable(rel)));
-		identities[i] = SPI_getvalue(tuple, tupdesc, 1);
-		if (identities[i] == NULL || identities[i][0] == '\0')
+		rl_guard_identity(guard, rel, slot, &identity);
+		hash = hash_bytes_extended((const unsigned char *) identity.data,
+								   identity.len, 0);
+		head = hash_search(groups, &hash, HASH_ENTER, &found);
+		if (!found)
+		{
+			head->identity = pnstrdup(identity.data, identity.len);
+			head->len = identity.len;
+			head->units = 0;
+			head->next = NULL;
+			n++;
+		}
+		/* identities whose hashes collide hang off the entry */
+		for (group = head; group; group = group->next)
+			if (group->len == identity.len &&
+				memcmp(group->identity, identity.data, identity.len) == 0)
+				break;
+		if (group == NULL)
+		{
+			group = palloc(sizeof(RlGroup));
+			group->identity = pnstrdup(identity.data, identity.len);
+			group->len = identity.len;
+			group->units = 0;
+			group->next = head->next;
+			head->next = group;
+			n++;
+		}
+		group->units += cost;
+		if (group->units > PG_INT32_MAX)
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("identity must not be empty"),
+					 errmsg("the rows of \"%s\" cost more than %d units in one statement",
+							group->identity, PG_INT32_MAX),
 					 errtable(rel)));
-		units = DatumGetInt64(SPI_getbinval(tuple, tupdesc, 2, &isnull));
-		rl_guard_cost(guard, rel, cost_null, cost_min < 0 ? cost_min : units);
-		charges[i].limit = &guard->limit;
-		charges[i].key = rl_copy_key(rl_build_key(guard->limit.algorithm->name,
-												  cstring_to_text(identities[i]),
-												  guard->policy));
-		charges[i].cost = (int32) units;
 	}
+	tuplestore_select_read_pointer(rows, 0);
+	ExecDropSingleTupleTableSlot(slot);
 
-	if (n > 0)
+	/* identities of zero units are not charged */
+	list = palloc(sizeof(RlGroup *) * (n > 0 ? n : 1));
+	charges = palloc(sizeof(RlCharge) * (n > 0 ? n : 1));
+	n = 0;
+	hash_seq_init(&seq, groups);
+	while ((group = hash_seq_search(&seq)) != NULL)
 	{
-		if (!rl_decide_many(charges, (int) n, &d, &worst, &failure))
+		for (; group; group = group->next)
 		{
-			rl_apply_on_error(&failure, guard->limit.lim, 0, &d);
-			worst = 0;
+			if (group->units == 0)
+				continue;
+			list[n] = group;
+			charges[n].limit = &guard->limit;
+			charges[n].key = rl_copy_key(rl_build_key(guard->limit.algorithm->name,
+													  cstring_to_text_with_len(group->identity,
+																			   group->len),
+													  guard->policy));
+			charges[n].cost = (int32) group->units;
+			n++;
 		}
-		if (!d.allowed)
-			rl_guard_denied(guard, rel, identities[worst], &d);
-		if (d.from_redis)
-			for (i = 0; i < n; i++)
-				rl_remember_charge(&guard->limit, charges[i].key,
-								   charges[i].cost, true);
 	}
-	SPI_finish();
+	if (n == 0)
+		return PointerGetDatum(NULL);
+
+	if (!rl_decide_many(charges, n, &d, &worst, &failure))
+	{
+		rl_apply_on_error(&failure, guard->limit.lim, 0, &d);
+		worst = 0;
+	}
+	if (!d.allowed)
+		rl_guard_denied(guard, rel, list[worst]->identity, &d);
+	if (d.from_redis)
+		for (i = 0; i < n; i++)
+			rl_remember_charge(&guard->limit, charges[i].key, charges[i].cost, true);
 	return PointerGetDatum(NULL);
 }
