@@ -52,3 +52,24 @@ REVOKE EXECUTE ON FUNCTION rl_reset(text) FROM rl_admin;
 DROP ROLE rl_app;
 DROP ROLE rl_admin;
 RESET rl_redis.test_clock_ms;
+
+-- search_path tricks: an operator or table of the same name earlier in the
+-- search_path is never used by the extension's own queries
+CREATE SCHEMA trap;
+CREATE FUNCTION trap.texteq_trap(text, text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE NOTICE 'trap operator called';
+    RETURN $1 OPERATOR(pg_catalog.=) $2;
+END $$;
+CREATE OPERATOR trap.= (LEFTARG = text, RIGHTARG = text, FUNCTION = trap.texteq_trap);
+CREATE TABLE trap.rl_policy (name text, algorithm text, lim int, window_ms bigint, burst int);
+INSERT INTO trap.rl_policy VALUES ('trap.policy', 'fixed', 1000000, 1000, NULL);
+INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES ('real.policy', 'fixed', 1, 60000);
+SET search_path = trap, public, pg_catalog;
+SELECT (rl_check('real.policy', 'priv:trap')).lim;
+SELECT rl_check('trap.policy', 'priv:trap');
+SELECT rl_headers(rl_check('real.policy', 'priv:trap', 0), 'real.policy') IS NOT NULL;
+SELECT rl_reset('priv:trap');
+RESET search_path;
+DELETE FROM rl_policy;
+DROP SCHEMA trap CASCADE;

@@ -138,7 +138,7 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
 	args[0] = PointerGetDatum(name);
-	if (SPI_execute_with_args(psprintf("SELECT algorithm, lim, window_ms, burst FROM %s WHERE name = $1",
+	if (SPI_execute_with_args(psprintf("SELECT algorithm, lim, window_ms, burst FROM %s WHERE name OPERATOR(pg_catalog.=) $1",
 									   rl_policy_table()),
 							  1, argtypes, args, NULL, true, 1) != SPI_OK_SELECT)
 		elog(ERROR, "could not read rl_policy");
