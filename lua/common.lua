@@ -1,5 +1,9 @@
+#!lua
 -- Shared by every rl_redis script; the build puts it in front of the
--- algorithm files (src/embed_lua.sh).
+-- algorithm files (src/embed_lua.sh). The "#!lua" line above (Redis 7
+-- script flags, none given) makes Redis refuse a whole script while it is
+-- out of memory, instead of letting its writes through once the first one,
+-- which frees memory, has run.
 --
 -- Each algorithm file adds ALG.<name> = function(key, lim, window_ms, cost,
 -- burst, now) that reads the key's state and returns

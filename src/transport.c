@@ -66,6 +66,12 @@ static RlConnection conn = {PGINVALID_SOCKET};
 /* reused for every command, so that a call allocates nothing */
 static StringInfoData out;
 
+/*
+ * The address list of a connect in progress: a cancel while connecting
+ * leaves it behind, and the next connect frees it.
+ */
+static struct addrinfo *pending_addrs = NULL;
+
 /* the connection settings the open connection was made with */
 static StringInfoData conn_settings;
 static char inbuf[16384];
@@ -688,6 +694,11 @@ rl_connect(RlFailure *failure)
 	TimestampTz deadline = rl_deadline(rl_connect_timeout);
 
 	rl_disconnect();
+	if (pending_addrs != NULL)
+	{
+		freeaddrinfo(pending_addrs);
+		pending_addrs = NULL;
+	}
 	rl_connection_settings_changed = false;
 	rl_server_name();
 	if (conn_settings.data == NULL)
@@ -745,6 +756,7 @@ rl_connect(RlFailure *failure)
 					rl_host, gai_strerror(rc));
 			return false;
 		}
+		pending_addrs = addrs;	/* freed here, or by the next connect */
 		/* try each address in turn, within the one connect deadline */
 		for (ai = addrs; ai != NULL; ai = ai->ai_next)
 		{
@@ -752,6 +764,7 @@ rl_connect(RlFailure *failure)
 				break;
 		}
 		freeaddrinfo(addrs);
+		pending_addrs = NULL;
 		if (ai == NULL)
 			return false;
 		if (rl_tls && !rl_tls_start(deadline, failure))
