@@ -74,12 +74,12 @@ echo 'SELECT 1;' >"$work/select1.sql"
 for alg in "${ALGORITHMS[@]}"; do
 	cat >"$work/$alg.sql" <<-EOF
 		\set id random(1, $IDENTITIES)
-		SELECT rl_${alg}_allow('bench:' || :id, 1000000, 60000);
+		SELECT rl_${alg}_allow('bench:' || :id, 100000, 60000);
 	EOF
 done
 
 # capture ALG: prints, one argument a line, the Redis command that
-# rl_ALG_allow('bench:probe', 1000000, 60000) sends, as SLOWLOG records it
+# rl_ALG_allow('bench:probe', 100000, 60000) sends, as SLOWLOG records it
 # (the second of two calls: the first may have to load the script).
 capture() {
 	local alg=$1 old
@@ -87,8 +87,8 @@ capture() {
 	rcli CONFIG SET slowlog-log-slower-than 0 >/dev/null &&
 		rcli SLOWLOG RESET >/dev/null || return 1
 	psql -X -q -A -t -v ON_ERROR_STOP=1 \
-		-c "SELECT rl_${alg}_allow('bench:probe', 1000000, 60000)" \
-		-c "SELECT rl_${alg}_allow('bench:probe', 1000000, 60000)" >/dev/null || return 1
+		-c "SELECT rl_${alg}_allow('bench:probe', 100000, 60000)" \
+		-c "SELECT rl_${alg}_allow('bench:probe', 100000, 60000)" >/dev/null || return 1
 	rcli CONFIG SET slowlog-log-slower-than "$old" >/dev/null || return 1
 	rcli --json SLOWLOG GET 128 | /usr/bin/python3 -c '
 import json, sys
