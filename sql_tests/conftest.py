@@ -68,6 +68,20 @@ def set_gucs(conn, **gucs):
         )
 
 
+def same_fixed_window(redis, window_ms, body, attempts=4):
+    """Runs body() (which must use fresh identities on every call) until one
+    run starts and ends inside one fixed window of the Redis clock, so a
+    window boundary falling in the middle can't change the counts. Returns
+    body()'s result."""
+    for _ in range(attempts):
+        t0 = redis.time_ms()
+        result = body()
+        t1 = redis.time_ms()
+        if t0 // window_ms == t1 // window_ms:
+            return result
+    pytest.fail("could not run inside one %d ms window in %d attempts" % (window_ms, attempts))
+
+
 def use_redis(conn, server, **gucs):
     """Points the session at `server` (a RedisServer), plus other GUCs.
 

@@ -29,7 +29,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import new_ident, pg_connect, set_gucs
+from conftest import new_ident, pg_connect, same_fixed_window, set_gucs
 
 THREADS = 16
 CALLS_PER_THREAD = 20
@@ -135,17 +135,6 @@ def hammer(query, params, threads=THREADS, calls=CALLS_PER_THREAD):
             c.close()
 
 
-def in_one_window(redis, window_ms, body, attempts=3):
-    """Runs body() (fresh identities on every call) until one run starts and
-    ends in one fixed window of the Redis clock; returns its result."""
-    for _ in range(attempts):
-        t0 = redis.time_ms()
-        result = body()
-        t1 = redis.time_ms()
-        if t0 // window_ms == t1 // window_ms:
-            return result
-    pytest.fail("could not run inside one %d ms window in %d attempts" % (window_ms, attempts))
-
 
 def connect_retry(timeout=30.0):
     """A new connection, retrying while the cluster restarts after a crash."""
@@ -244,7 +233,7 @@ def test_many_sessions_one_policy(pg, shared_redis, policies, algorithm):
         return identity, allowed
 
     if algorithm == "fixed":
-        identity, allowed = in_one_window(shared_redis, DAY_MS, run)
+        identity, allowed = same_fixed_window(shared_redis, DAY_MS, run)
     else:
         identity, allowed = run()
     assert allowed == lim
@@ -265,7 +254,7 @@ def test_many_sessions_allow_all(pg, shared_redis, policies):
         # peeks, in the same fixed window
         return identity, allowed, check(pg, big, identity, 0), check(pg, small, identity, 0)
 
-    identity, allowed, peek_big, peek_small = in_one_window(shared_redis, DAY_MS, run)
+    identity, allowed, peek_big, peek_small = same_fixed_window(shared_redis, DAY_MS, run)
     assert allowed == 30
     assert peek_big[:3] == (True, 1000, 970)
     assert peek_small[:3] == (True, 30, 0)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import new_ident, pg_connect
+from conftest import new_ident, pg_connect, same_fixed_window
 
 THREADS = 16
 CALLS_PER_THREAD = 20
@@ -58,19 +58,6 @@ def hammer(jobs, threads=THREADS, calls=CALLS_PER_THREAD):
             total[k] = total.get(k, 0) + v
     return total
 
-
-def same_fixed_window(redis, window_ms, body, attempts=4):
-    """Runs body() (which must use fresh identities on every call) until one
-    run starts and ends inside one fixed window of the Redis clock, so a
-    window boundary falling in the middle can't change the counts. Returns
-    body()'s result."""
-    for _ in range(attempts):
-        t0 = redis.time_ms()
-        result = body()
-        t1 = redis.time_ms()
-        if t0 // window_ms == t1 // window_ms:
-            return result
-    pytest.fail("could not run inside one %d ms window in %d attempts" % (window_ms, attempts))
 
 
 def peek_remaining(conn, func, identity, lim, window_ms):

@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from conftest import free_port, new_ident, pg_connect
+from conftest import free_port, new_ident, pg_connect, same_fixed_window
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(ROOT, "examples", "http_service", "server.py")
@@ -194,17 +194,6 @@ def module_service(tmp_path_factory):
 
 # ---------------------------------------------------------------- helpers
 
-
-def same_fixed_window(redis, window_ms, body, attempts=4):
-    """Runs body() (fresh identities on every call) until one run starts and
-    ends inside one fixed window of the Redis clock; returns its result."""
-    for _ in range(attempts):
-        t0 = redis.time_ms()
-        result = body()
-        t1 = redis.time_ms()
-        if t0 // window_ms == t1 // window_ms:
-            return result
-    pytest.fail("could not run inside one %d ms window in %d attempts" % (window_ms, attempts))
 
 
 def run_in_one_window(endpoint, redis, window_ms, body):
