@@ -359,7 +359,7 @@ rl_guard(PG_FUNCTION_ARGS)
 		rl_decide_limit(&guard->limit, identity_text, guard->policy, cost, &d);
 		if (!d.allowed)
 			rl_guard_denied(guard, rel, identity.data, &d);
-		if (d.from_redis)
+		if (d.from_redis && rl_refund_wanted(true))
 			rl_remember_charge(&guard->limit,
 							   rl_build_key(guard->limit.algorithm->name,
 											identity_text, guard->policy),

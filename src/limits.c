@@ -423,7 +423,8 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
 
 	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, d);
-	if (!refund && d->allowed && d->from_redis)
+	/* the key is built again only when a refund may need it */
+	if (!refund && d->allowed && d->from_redis && rl_refund_wanted(false))
 		rl_remember_charge(&limit, rl_build_key(limit.algorithm->name, identity, NULL),
 						   cost, false);
 }

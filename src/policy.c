@@ -196,7 +196,7 @@ rl_check_policy(FunctionCallInfo fcinfo, bool refund, RlDecision *d)
 
 	rl_decide_limit(&policy.limit, identity, policy.name,
 					refund ? -cost : cost, d);
-	if (!refund && d->allowed && d->from_redis)
+	if (!refund && d->allowed && d->from_redis && rl_refund_wanted(false))
 		rl_remember_charge(&policy.limit,
 						   rl_build_key(policy.limit.algorithm->name, identity,
 										policy.name),

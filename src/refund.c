@@ -30,6 +30,14 @@ typedef struct RlTaken
 /* of RlTaken *, in TopTransactionContext; NIL outside a transaction */
 static List *taken = NIL;
 
+/* True when refund_on_abort covers charges made by a guard (or not). */
+bool
+rl_refund_wanted(bool by_guard)
+{
+	return rl_refund_on_abort == RL_REFUND_ALL ||
+		(by_guard && rl_refund_on_abort == RL_REFUND_GUARDS);
+}
+
 /*
  * Remembers that cost units were taken from key under limit in the current
  * subtransaction, when refund_on_abort covers this kind of call.
@@ -41,8 +49,7 @@ rl_remember_charge(const RlLimit *limit, StringInfo key, int32 cost,
 	MemoryContext old;
 	RlTaken    *t;
 
-	if (cost <= 0 || rl_refund_on_abort == RL_REFUND_OFF ||
-		(!by_guard && rl_refund_on_abort != RL_REFUND_ALL))
+	if (cost <= 0 || !rl_refund_wanted(by_guard))
 		return;
 
 	old = MemoryContextSwitchTo(TopTransactionContext);

@@ -186,6 +186,7 @@ extern void rl_policy_reset_keys(FunctionCallInfo fcinfo, text *identity,
 
 /* refunds on abort (refund.c) */
 extern void rl_refund_init(void);
+extern bool rl_refund_wanted(bool by_guard);
 extern void rl_remember_charge(const RlLimit *limit, StringInfo key,
 							   int32 cost, bool by_guard);
 
