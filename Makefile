@@ -17,7 +17,7 @@ OBJS = \
 DATA = $(wildcard sql/rl_redis--*.sql)
 PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"
 
-REGRESS = arguments fixed sliding keys privileges on_error token_bucket gcra sliding_counter refund policy concurrency guards postgrest upgrade
+REGRESS = arguments fixed sliding keys privileges on_error token_bucket gcra sliding_counter refund policy headers concurrency guards postgrest upgrade
 REGRESS_OPTS = --inputdir=. --outputdir=. --load-extension=rl_redis
 
 SHLIB_LINK = -lhiredis -lssl -lcrypto

@@ -1,11 +1,13 @@
 -- Main part of the several-limits script: all limits decide on one clock,
 -- and the calls are applied to all of them or to none.
 -- KEYS[i]  the key of limit i
--- ARGV     now_us ('' for Redis TIME), then for each limit:
---          algorithm, lim, window_ms, burst (0: none), cost (< 0: refund)
+-- ARGV     now_us ('' for Redis TIME), refund scopes ('' for none), then for
+--          each limit: algorithm, lim, window_ms, burst (0: none), cost
+--          (< 0: give back)
 -- Returns the most restrictive limit's {allowed, lim, remaining, reset_ms,
--- retry_after_ms} followed by its index (1-based): a denied one with the
--- longest wait (-1 counts longest), else the one with the fewest units left.
+-- retry_after_ms} followed by its index (1-based), then the clock each
+-- limit was decided on (µs), one per key: a denied one with the longest wait
+-- (-1 counts longest), else the one with the fewest units left.
 
 -- True when result a is more restrictive than result b.
 local function tighter(a, b)
@@ -19,15 +21,22 @@ local function tighter(a, b)
 end
 
 local now = clock_us(ARGV[1])
+local scopes = split(ARGV[2])
 local commits = {}
+local stamps = {}
 local all_allowed = true
 local worst, worst_index = nil, 0
 for i = 1, #KEYS do
-  local b = 1 + (i - 1) * 5
-  local result, commit = ALG[ARGV[b + 1]](KEYS[i], tonumber(ARGV[b + 2]),
-    tonumber(ARGV[b + 3]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 4]), now)
+  local b = 2 + (i - 1) * 5
+  local p = {lim = tonumber(ARGV[b + 2]), window_ms = tonumber(ARGV[b + 3]),
+             burst = tonumber(ARGV[b + 4])}
+  p.cap = p.burst > 0 and p.burst or p.lim
+  local result, commit = ALG[ARGV[b + 1]].decide(KEYS[i], p,
+    tonumber(ARGV[b + 5]), now, scopes)
+  from_clock(result, now)
   if result[1] == 0 then all_allowed = false end
   if commit then commits[#commits + 1] = commit end
+  stamps[i] = result[6]
   if worst == nil or tighter(result, worst) then
     worst, worst_index = result, i
   end
@@ -35,5 +44,6 @@ end
 if all_allowed then
   for _, commit in ipairs(commits) do commit() end
 end
-worst[6] = worst_index
-return worst
+local reply = {worst[1], worst[2], worst[3], worst[4], worst[5], worst_index}
+for i = 1, #KEYS do reply[6 + i] = stamps[i] end
+return reply

@@ -1,11 +1,17 @@
--- Main part of the one-algorithm scripts: one decision (or refund) on one key.
+-- Main part of the one-algorithm scripts: one decision (or an
+-- administrator's refund) on one key.
 -- KEYS[1]  the identity's key
--- ARGV     algorithm, lim, window_ms, cost (< 0: refund), burst (0: none),
---          now_us (test clock; '' for Redis TIME)
--- Returns {allowed, lim, remaining, reset_ms, retry_after_ms}.
-local result, commit = ALG[ARGV[1]](KEYS[1], tonumber(ARGV[2]),
-  tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), clock_us(ARGV[6]))
+-- ARGV     algorithm, lim, window_ms, cost (< 0: give back), burst (0: none),
+--          now_us (test clock; '' for Redis TIME), refund scopes
+--          ("a,b": outermost first; '' for none)
+-- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us}.
+local p = {lim = tonumber(ARGV[2]), window_ms = tonumber(ARGV[3]),
+           burst = tonumber(ARGV[5])}
+p.cap = p.burst > 0 and p.burst or p.lim
+local now = clock_us(ARGV[6])
+local result, commit = ALG[ARGV[1]].decide(KEYS[1], p, tonumber(ARGV[4]),
+  now, split(ARGV[7]))
 if result[1] == 1 and commit then
   commit()
 end
-return result
+return from_clock(result, now)

@@ -1,68 +1,106 @@
 -- Sliding window counter (two-window approximation).
 -- State: a hash with w = start of the current window (ms), c = units used in
--- it and p = units used in the window before. The estimate of the last
--- window_ms is p weighted by how much of the previous window still overlaps
--- it, plus c. O(1) memory; exact when the previous window's units were
--- spread evenly. The key expires when both windows have passed.
-ALG.sliding_counter = function(key, lim, window_ms, cost, burst, now)
-  local now_ms = now / 1000
-  local start = math.floor(now_ms / window_ms) * window_ms
-  local c, p = 0, 0
-  local state = redis.call('HMGET', key, 'w', 'c', 'p')
+-- it, p = units used in the window before and ts = the latest clock a call
+-- used (µs). The estimate of the last window_ms is p weighted by how much of
+-- the previous window still overlaps it, plus c. O(1) memory; exact when the
+-- previous window's units were spread evenly. The key expires when both
+-- windows have passed.
+-- A rolled-back charge gives back its units from the count of the window it
+-- was taken in, while that window is the current or the previous one.
+ALG.sliding_counter = {}
+
+-- Reads the key as of now (never earlier than ts): the window's number and
+-- start (ms), and the current and previous counts.
+local function counter_state(key, p, now)
+  local state = redis.call('HMGET', key, 'w', 'c', 'p', 'ts')
+  now = math.max(now, tonumber(state[4]) or 0)
+  local W = p.window_ms
+  local idx = math.floor(now / (W * 1000))
+  local start = idx * W
+  local c, prev = 0, 0
   local w = tonumber(state[1])
   if w == start then
-    c, p = tonumber(state[2]) or 0, tonumber(state[3]) or 0
-  elseif w == start - window_ms then
-    p = tonumber(state[2]) or 0
+    c, prev = tonumber(state[2]) or 0, tonumber(state[3]) or 0
+  elseif w == start - W then
+    prev = tonumber(state[2]) or 0
   end
-  local into = now_ms - start                  -- ms into the current window
-  local weight = (window_ms - into) / window_ms
-  local left = start + window_ms - now_ms      -- ms until the current window ends
+  return now, idx, start, c, prev
+end
 
-  local function estimate(cur)
-    return p * weight + cur
+-- Writes the counts (or deletes the key when both are zero).
+local function counter_save(key, p, start, c, prev, now)
+  if c > 0 or prev > 0 then
+    redis.call('HSET', key, 'w', num(start), 'c', c, 'p', prev, 'ts', num(now))
+    redis.call('PEXPIRE', key, math.ceil(start + 2 * p.window_ms - now / 1000))
+  else
+    redis.call('DEL', key)
+  end
+end
+
+ALG.sliding_counter.decide = function(key, p, cost, now)
+  local idx, start, c, prev
+  now, idx, start, c, prev = counter_state(key, p, now)
+  local lim, W = p.lim, p.window_ms
+  local left = start + W - now / 1000     -- ms until the current window ends
+
+  -- the estimate at time t (µs, not before now) with cur units in this window
+  local function estimate_at(t, cur)
+    local into = t / 1000 - start
+    if into < W then return prev * (W - into) / W + cur end
+    if into < 2 * W then return cur * (2 * W - into) / W end
+    return 0
+  end
+  local function fits_at(t, units)
+    return estimate_at(t, c) + units <= lim + 1e-9
   end
   local function reset_of(cur)
-    if cur > 0 then return math.ceil(left + window_ms) end
-    if p > 0 then return math.ceil(left) end
+    if cur > 0 then return math.ceil(left + W) end
+    if prev > 0 then return math.ceil(left) end
     return 0
   end
   local function result(allowed, cur, retry)
-    return {allowed, lim, math.max(math.floor(lim - estimate(cur) + 1e-9), 0),
-            reset_of(cur), retry}
-  end
-  local function save(cur)
-    return function()
-      if cur > 0 or p > 0 then
-        redis.call('HSET', key, 'w', num(start), 'c', cur, 'p', p)
-        redis.call('PEXPIRE', key, math.ceil(left + window_ms))
-      else
-        redis.call('DEL', key)
-      end
-    end
+    return {allowed, lim, math.max(math.floor(lim - estimate_at(now, cur) + 1e-9), 0),
+            reset_of(cur), retry, now}
   end
 
   if cost < 0 then
     local cur = math.max(c + cost, 0)
-    return result(1, cur, 0), save(cur)
+    return result(1, cur, 0), function() counter_save(key, p, start, cur, prev, now) end
   end
-  if estimate(c + cost) <= lim + 1e-9 then
+  if fits_at(now, cost) then
     local commit = nil
-    if cost > 0 then commit = save(c + cost) end
+    if cost > 0 then
+      commit = function() counter_save(key, p, start, c + cost, prev, now) end
+    end
     return result(1, c + cost, 0), commit
   end
   local retry = -1
   if cost <= lim then
-    if c + cost <= lim then
-      -- wait until the previous window's weight has shrunk enough
-      retry = left - (lim - c - cost) * window_ms / p
+    local us
+    if c + cost <= lim and prev > 0 then
+      -- until the previous window's weight has shrunk enough
+      us = (left - (lim - c - cost) * W / prev) * 1000
     elseif c > 0 then
-      -- wait for the next window, where c becomes the previous count
-      retry = left + math.max(window_ms - (lim - cost) * window_ms / c, 0)
+      -- into the next window, where c becomes the previous count
+      us = (left + math.max(W - (lim - cost) * W / c, 0)) * 1000
     else
-      retry = left
+      us = left * 1000
     end
-    retry = math.max(math.ceil(retry), 1)
+    retry = first_ms(us, now, function(t) return fits_at(t, cost) end)
   end
   return result(0, c, retry), nil
+end
+
+ALG.sliding_counter.refund = function(key, p, now, r)
+  local idx, start, c, prev
+  now, idx, start, c, prev = counter_state(key, p, now)
+  if r.idx == idx then
+    c = math.max(c - r.units, 0)
+    prev = math.max(prev - r.prev, 0)
+  elseif r.idx == idx - 1 then
+    prev = math.max(prev - r.units, 0)
+  else
+    return
+  end
+  counter_save(key, p, start, c, prev, now)
 end

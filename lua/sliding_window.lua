@@ -1,11 +1,25 @@
 -- Sliding window log.
 -- State: a sorted set with one member per unit taken, scored by the time it
 -- was taken (µs). A unit counts for window_ms, then drops out. The key
--- expires one window after its newest member.
-ALG.sliding = function(key, lim, window_ms, cost, burst, now)
-  local window = window_ms * 1000
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-  local used = redis.call('ZCARD', key)
+-- expires one window after its newest member. A member is named
+-- "<time>-<n>" followed by "|<scope>|" for each refund scope of the charge
+-- that took it, so that a rolled-back scope removes exactly its own units
+-- that are still in the window.
+ALG.sliding = {}
+
+-- Drops the units that have left the window and returns now (never earlier
+-- than the newest unit) and the number of units in the window.
+local function log_state(key, p, now)
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+  if newest then now = math.max(now, tonumber(newest)) end
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000)
+  return now, redis.call('ZCARD', key)
+end
+
+ALG.sliding.decide = function(key, p, cost, now, scopes)
+  local used
+  now, used = log_state(key, p, now)
+  local lim, window = p.lim, p.window_ms * 1000
 
   -- ms until the member at rank r (0 = oldest, -1 = newest) leaves
   local function ms_until_gone(r)
@@ -25,20 +39,22 @@ ALG.sliding = function(key, lim, window_ms, cost, burst, now)
       if n > 0 then redis.call('ZPOPMAX', key, n) end
     end
     if after == 0 then
-      return {1, lim, lim, 0, 0}, commit
+      return {1, lim, lim, 0, 0, now}, commit
     end
     return {1, lim, math.max(lim - after, 0),
             math.max(ms(tonumber(redis.call('ZRANGE', key, after - 1, after - 1,
-              'WITHSCORES')[2]) + window - now), 1), 0}, commit
+              'WITHSCORES')[2]) + window - now), 1), 0, now}, commit
   end
   if used + cost <= lim then
     if cost == 0 then
-      return {1, lim, lim - used, reset_of(used), 0}, nil
+      return {1, lim, lim - used, reset_of(used), 0, now}, nil
     end
-    return {1, lim, lim - used - cost, window_ms, 0}, function()
+    return {1, lim, lim - used - cost, p.window_ms, 0, now}, function()
       -- members must be unique even for many units in one microsecond:
       -- add them in batches, with more sequence numbers for any that
       -- happened to exist already
+      local tag = ''
+      if #scopes > 0 then tag = '|' .. table.concat(scopes, '|') .. '|' end
       local seq = used
       local stamp = num(now)
       local missing = cost
@@ -46,12 +62,12 @@ ALG.sliding = function(key, lim, window_ms, cost, burst, now)
         local batch = {}
         for _ = 1, math.min(missing, 500) do
           batch[#batch + 1] = now
-          batch[#batch + 1] = stamp .. '-' .. seq
+          batch[#batch + 1] = stamp .. '-' .. seq .. tag
           seq = seq + 1
         end
         missing = missing - redis.call('ZADD', key, 'NX', unpack(batch))
       end
-      redis.call('PEXPIRE', key, window_ms)
+      redis.call('PEXPIRE', key, p.window_ms)
     end
   end
   local retry = -1
@@ -59,5 +75,24 @@ ALG.sliding = function(key, lim, window_ms, cost, burst, now)
     -- the call fits once the (used + cost - lim) oldest units have left
     retry = ms_until_gone(used + cost - lim - 1)
   end
-  return {0, lim, math.max(lim - used, 0), reset_of(used), retry}, nil
+  return {0, lim, math.max(lim - used, 0), reset_of(used), retry, now}, nil
+end
+
+ALG.sliding.refund = function(key, p, now, r)
+  local used
+  now, used = log_state(key, p, now)
+  if used == 0 then return end
+  local mark = '|' .. r.scope .. '|'
+  local members = redis.call('ZRANGE', key, 0, -1)
+  local doomed = {}
+  for _, m in ipairs(members) do
+    if string.find(m, mark, 1, true) then
+      doomed[#doomed + 1] = m
+      if #doomed == 500 then
+        redis.call('ZREM', key, unpack(doomed))
+        doomed = {}
+      end
+    end
+  end
+  if #doomed > 0 then redis.call('ZREM', key, unpack(doomed)) end
 end

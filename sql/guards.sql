@@ -12,7 +12,7 @@ CREATE TABLE llm_requests (
 );
 
 -- row guard on a policy: one unit per row
-CREATE TRIGGER llm_guard BEFORE INSERT ON llm_requests
+CREATE TRIGGER llm_guard AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id');
 INSERT INTO llm_requests (tenant_id) VALUES ('acme'), ('acme');
 SELECT * FROM rl_check('llm.free', 'acme', 0);
@@ -42,7 +42,7 @@ INSERT INTO llm_requests (tenant_id) VALUES (NULL);
 DROP TRIGGER llm_guard ON llm_requests;
 
 -- row guard on an explicit limit, identity from two columns, a cost column
-CREATE TRIGGER llm_guard BEFORE INSERT OR UPDATE ON llm_requests
+CREATE TRIGGER llm_guard AFTER INSERT OR UPDATE ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('sliding:100/60000', 'tenant_id, user_id', 'tokens');
 INSERT INTO llm_requests (tenant_id, user_id, tokens) VALUES ('acme', 7, 60);
 SELECT * FROM rl_sliding('acme:7', 100, 60000, 0);
@@ -129,28 +129,39 @@ INSERT INTO llm_requests (tenant_id) VALUES (NULL);
 DROP TRIGGER llm_guard ON llm_requests;
 
 -- wrong set-ups are clear errors
-CREATE TRIGGER bad BEFORE INSERT ON llm_requests
+CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'no_such_column');
 INSERT INTO llm_requests (tenant_id) VALUES ('acme');
 DROP TRIGGER bad ON llm_requests;
-CREATE TRIGGER bad BEFORE INSERT ON llm_requests
+CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('no_such_policy', 'tenant_id');
 INSERT INTO llm_requests (tenant_id) VALUES ('acme');
 DROP TRIGGER bad ON llm_requests;
-CREATE TRIGGER bad BEFORE INSERT ON llm_requests
+CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('fixed:0/1000', 'tenant_id');
 INSERT INTO llm_requests (tenant_id) VALUES ('acme');
 DROP TRIGGER bad ON llm_requests;
-CREATE TRIGGER bad BEFORE INSERT ON llm_requests
+CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id', 'tenant_id');
 INSERT INTO llm_requests (tenant_id) VALUES ('acme');
 DROP TRIGGER bad ON llm_requests;
-CREATE TRIGGER bad BEFORE INSERT ON llm_requests
+CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free');
 INSERT INTO llm_requests (tenant_id) VALUES ('acme');
 DROP TRIGGER bad ON llm_requests;
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('llm.free', 'tenant_id');
+INSERT INTO llm_requests (tenant_id) VALUES ('acme');
+DROP TRIGGER bad ON llm_requests;
+-- a row guard fires after the write: a BEFORE trigger would also charge rows
+-- that INSERT ... ON CONFLICT skips or turns into an update
+CREATE TRIGGER bad BEFORE INSERT ON llm_requests
+    FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id');
+INSERT INTO llm_requests (tenant_id) VALUES ('acme');
+\echo :LAST_ERROR_SQLSTATE
+DROP TRIGGER bad ON llm_requests;
+CREATE TRIGGER bad AFTER INSERT ON llm_requests
+    FOR EACH STATEMENT EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id');
 INSERT INTO llm_requests (tenant_id) VALUES ('acme');
 DROP TRIGGER bad ON llm_requests;
 

@@ -72,3 +72,51 @@ AS 'MODULE_PATHNAME', 'rl_release'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 -- (rl_headers is replaced below)
+
+-- rl_headers: RateLimit-Policy advertises the policy's rate (q = rl_policy.lim
+-- units per w = window seconds), not the burst a token bucket or GCRA result
+-- reports as its lim; the policy name goes out as an RFC 8941 sf-string, so a
+-- name outside printable ASCII is refused and '"' and '\' are escaped.
+CREATE OR REPLACE FUNCTION @extschema@.rl_headers(r @extschema@.rl_result, policy text DEFAULT NULL)
+RETURNS json
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    item text;
+    quota integer;
+    window_s bigint;
+    reset_s bigint;
+    headers json[] := '{}';
+BEGIN
+    IF r IS NULL OR r.allowed IS NULL THEN
+        RAISE EXCEPTION 'r must not be null' USING ERRCODE = '22004';
+    END IF;
+    IF policy ~ E'[^\\x20-\\x7E]' THEN
+        RAISE EXCEPTION 'policy name must be printable ASCII'
+            USING ERRCODE = '22023',
+                  DETAIL = 'The RateLimit headers carry it as an RFC 8941 string: characters 0x20 to 0x7E only.';
+    END IF;
+    -- E'' strings: the same whatever standard_conforming_strings says
+    item := '"' || replace(replace(coalesce(policy, 'default'), E'\\', E'\\\\'), '"', E'\\"') || '"';
+    reset_s := ceil(r.reset_ms / 1000.0);
+    IF policy IS NOT NULL THEN
+        SELECT p.lim, ceil(p.window_ms / 1000.0) INTO quota, window_s
+          FROM @extschema@.rl_policy p WHERE p.name = policy;
+        IF FOUND THEN
+            headers := headers || json_build_object('RateLimit-Policy',
+                format('%s;q=%s;w=%s', item, quota, window_s));
+        END IF;
+    END IF;
+    headers := headers
+        || json_build_object('RateLimit', format('%s;r=%s;t=%s', item, r.remaining, reset_s))
+        || json_build_object('X-RateLimit-Limit', r.lim::text)
+        || json_build_object('X-RateLimit-Remaining', r.remaining::text)
+        || json_build_object('X-RateLimit-Reset', reset_s::text);
+    IF NOT r.allowed AND r.retry_after_ms >= 0 THEN
+        headers := headers || json_build_object('Retry-After',
+            ceil(r.retry_after_ms / 1000.0)::bigint::text);
+    END IF;
+    RETURN array_to_json(headers);
+END
+$$;

@@ -11,6 +11,11 @@
 #
 # PostgreSQL refuses to run as root, so when this runs as root the cluster is
 # owned by, and started as, the unprivileged "postgres" user.
+#
+# The cluster preloads the library (shared_preload_libraries = 'rl_redis',
+# as the README's install steps do), so the installed rl_redis.so must exist
+# before rl_cluster_start; RL_PRELOAD=<list> overrides the setting (an empty
+# list starts the cluster without preloading).
 
 # Installs the packages that are missing (sql_tests/install_deps.sh), then
 # builds and installs the extension; sudo for the install when not root.
@@ -79,6 +84,7 @@ rl_cluster_start() {
 		wal_level = replica
 		max_wal_senders = 4
 		hot_standby = on
+		shared_preload_libraries = '${RL_PRELOAD-rl_redis}'
 		rl_redis.host = '127.0.0.1'
 		rl_redis.port = $RL_REDIS_PORT
 	EOF

@@ -2,12 +2,18 @@
  * concurrency.c
  *	  Concurrency limits: at most lim slots held at once per identity.
  *
- * rl_concurrency_acquire() takes a slot, a member of the identity's sorted
- * set named by a token unique to this backend and call, with a lease. The
- * backend remembers the slots it holds and gives them all back when the
- * transaction ends, committed or aborted (a transaction callback), or one
- * earlier with rl_concurrency_release(). A backend that dies without giving
- * a slot back loses it when its lease ends.
+ * rl_acquire(policy, identity) (a policy of algorithm 'concurrency': lim
+ * slots, each with a lease of window_ms) and rl_concurrency_acquire(identity,
+ * lim, lease_ms) take a slot: a member of the identity's sorted set named by
+ * a token unique to this backend and call, with a lease of at most
+ * rl_redis.max_lease. The backend remembers the slots it holds with the
+ * subtransaction that took them, and gives them back when that ends: all of
+ * them when the transaction commits, aborts or is prepared, those of a
+ * rolled-back savepoint or exception block at once; or one earlier with
+ * rl_release / rl_concurrency_release. Releases at a transaction end are
+ * queued on the transport, which sends them within a fixed budget or with
+ * the session's next command. A backend that dies without giving a slot
+ * back loses it when its lease ends.
  */
 #include "postgres.h"
 
@@ -24,156 +30,175 @@ typedef struct RlSlot
 {
 	char	   *key;			/* in TopMemoryContext */
 	size_t		keylen;
+	char	   *owner;			/* "<policy>" or "" (explicit) + identity */
+	size_t		ownerlen;
+	int			nestlevel;		/* of the subtransaction that took it */
 	char		token[64];
 } RlSlot;
 
 static List *held_slots = NIL;	/* of RlSlot *, in TopMemoryContext */
 static uint64 slot_counter = 0;
 
-/* Gives one slot back (ZREM); true if Redis still had it. */
-static bool
-rl_release_slot(RlSlot *slot, RlFailure *failure, bool *failed)
+/* Writes "<policy>\0<identity>" (policy "" when explicit) into buf. */
+static void
+rl_slot_owner(StringInfo buf, const char *policy, text *identity)
 {
-	const char *argv[3] = {"ZREM", slot->key, slot->token};
-	size_t		argvlen[3] = {4, slot->keylen, strlen(slot->token)};
-	redisReply *reply = rl_command(3, argv, argvlen, failure);
-	bool		released;
-
-	*failed = false;
-	if (reply == NULL)
-	{
-		*failed = true;
-		return false;
-	}
-	if (reply->type == REDIS_REPLY_ERROR)
-	{
-		rl_error_reply(reply, failure);
-		*failed = true;
-		return false;
-	}
-	released = reply->type == REDIS_REPLY_INTEGER && reply->integer == 1;
-	freeReplyObject(reply);
-	return released;
+	resetStringInfo(buf);
+	appendStringInfoString(buf, policy ? policy : "");
+	appendStringInfoChar(buf, '\0');
+	appendBinaryStringInfo(buf, VARDATA_ANY(identity), VARSIZE_ANY_EXHDR(identity));
 }
 
-/* Forgets a slot and frees it. */
+/* Frees a slot (already taken off held_slots). */
 static void
-rl_forget_slot(RlSlot *slot)
+rl_free_slot(RlSlot *slot)
 {
-	held_slots = list_delete_ptr(held_slots, slot);
 	pfree(slot->key);
+	pfree(slot->owner);
 	pfree(slot);
 }
 
+/* Queues the ZREM that gives slot back. */
+static void
+rl_queue_release(RlSlot *slot)
+{
+	const char *argv[3] = {"ZREM", slot->key, slot->token};
+	size_t		argvlen[3] = {4, slot->keylen, strlen(slot->token)};
+
+	rl_defer_command(3, argv, argvlen);
+}
+
 /*
- * At the end of a transaction, gives back every slot it holds. Never
- * raises: a slot that cannot be given back now ends with its lease.
+ * Queues the release of every slot taken at nesting level nestlevel or
+ * deeper (all of them for level 1) and forgets them. Never raises: a slot
+ * whose release cannot be queued ends with its lease.
  */
+static void
+rl_release_from_level(int nestlevel)
+{
+	ListCell   *lc;
+	volatile bool lost = false;
+
+	foreach(lc, held_slots)
+	{
+		RlSlot	   *slot = (RlSlot *) lfirst(lc);
+
+		if (slot->nestlevel < nestlevel)
+			continue;
+		PG_TRY();
+		{
+			rl_queue_release(slot);
+		}
+		PG_CATCH();
+		{
+			FlushErrorState();
+			lost = true;
+		}
+		PG_END_TRY();
+		held_slots = foreach_delete_current(held_slots, lc);
+		rl_free_slot(slot);
+	}
+	if (lost)
+		ereport(WARNING,
+				(errmsg("a concurrency slot could not be given back"),
+				 errdetail("It is freed when its lease ends.")));
+}
+
+/* Gives back every slot of a transaction that ends. */
 static void
 rl_concurrency_xact_callback(XactEvent event, void *arg)
 {
-	if (held_slots == NIL)
-		return;
-	if (event != XACT_EVENT_COMMIT && event != XACT_EVENT_ABORT &&
-		event != XACT_EVENT_PARALLEL_COMMIT &&
-		event != XACT_EVENT_PARALLEL_ABORT && event != XACT_EVENT_PREPARE)
-		return;
+	if (event == XACT_EVENT_COMMIT || event == XACT_EVENT_ABORT ||
+		event == XACT_EVENT_PARALLEL_COMMIT ||
+		event == XACT_EVENT_PARALLEL_ABORT || event == XACT_EVENT_PREPARE)
+		rl_release_from_level(1);
+}
 
-	while (held_slots != NIL)
+/*
+ * Gives back the slots of a rolled-back subtransaction; those of a committed
+ * one now belong to its parent.
+ */
+static void
+rl_concurrency_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+								SubTransactionId parentSubid, void *arg)
+{
+	int			level = GetCurrentTransactionNestLevel();
+	ListCell   *lc;
+
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		rl_release_from_level(level);
+	else if (event == SUBXACT_EVENT_COMMIT_SUB)
 	{
-		RlSlot	   *slot = (RlSlot *) linitial(held_slots);
-		RlFailure	failure;
-		bool		failed;
-
-		/* after an interrupted wait on Redis, do not wait on it again */
-		if (rl_transport_interrupted())
-			ereport(WARNING,
-					(errmsg("a concurrency slot was not given back"),
-					 errdetail("A call to Redis at %s was interrupted; the slot is freed when its lease ends.",
-							   rl_server_name())));
-		else
+		foreach(lc, held_slots)
 		{
-			rl_release_slot(slot, &failure, &failed);
-			if (failed)
-				ereport(WARNING,
-						(errcode(failure.sqlerrcode),
-						 errmsg_internal("%s", failure.message),
-						 errdetail("A concurrency slot could not be given back; it is freed when its lease ends.")));
+			RlSlot	   *slot = (RlSlot *) lfirst(lc);
+
+			if (slot->nestlevel >= level)
+				slot->nestlevel = level - 1;
 		}
-		rl_forget_slot(slot);
 	}
 }
 
-/* Registers the transaction callback; called once from _PG_init. */
+/* Registers the transaction callbacks; called once from _PG_init. */
 void
 rl_concurrency_init(void)
 {
 	RegisterXactCallback(rl_concurrency_xact_callback, NULL);
+	RegisterSubXactCallback(rl_concurrency_subxact_callback, NULL);
 }
 
-/* Takes a slot for the arguments (identity, lim, lease_ms). */
+/*
+ * Takes a slot of lim with a lease of lease_ms for identity, on the key of
+ * policy (NULL: the explicit limit's), and fills d.
+ */
 static void
-rl_acquire(FunctionCallInfo fcinfo, RlDecision *d)
+rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
+			 RlDecision *d)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0);
-	RlLimit		limit = {NULL, 0, 0, 0};
 	StringInfo	key;
+	StringInfoData owner;
 	char		token[64];
 	char		lim_s[16],
 				lease_s[24],
-				now_s[24];
+				now_s[24],
+				suffix[64];
 	const char *argv[8];
 	size_t		argvlen[8];
 	redisReply *reply;
 	RlFailure	failure;
 
-	if (PG_ARGISNULL(1))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("lim must not be null")));
-	if (PG_ARGISNULL(2))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("lease_ms must not be null")));
-	limit.lim = PG_GETARG_INT32(1);
-	limit.window_ms = PG_GETARG_INT64(2);
-	if (limit.lim <= 0)
+	if (lease_ms > rl_max_lease)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lim must be greater than zero")));
-	if (limit.window_ms <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lease_ms must be greater than zero")));
-	if (limit.window_ms > RL_MAX_WINDOW_MS)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lease_ms must be at most " INT64_FORMAT " (100 years)",
-						RL_MAX_WINDOW_MS)));
+				 errmsg("lease_ms " INT64_FORMAT " is longer than rl_redis.max_lease (%d ms)",
+						lease_ms, rl_max_lease),
+				 errdetail("A slot whose holder never gives it back stays taken for its whole lease.")));
 
 	/* unique across backends, servers and calls */
 	snprintf(token, sizeof(token), "%d:" INT64_FORMAT ":" UINT64_FORMAT ":%08x",
 			 MyProcPid, (int64) MyStartTimestamp, ++slot_counter,
 			 (unsigned int) pg_prng_uint32(&pg_global_prng_state));
+	if (policy == NULL)
+		snprintf(suffix, sizeof(suffix), "%d/" INT64_FORMAT, lim, lease_ms);
 
-	key = rl_build_key("concurrency", identity, NULL);
+	key = rl_build_key("concurrency", identity, policy ? policy : suffix);
 	argv[2] = "1";
 	argvlen[2] = 1;
 	argv[3] = key->data;
 	argvlen[3] = key->len;
 	argv[4] = lim_s;
-	argvlen[4] = pg_ltoa(limit.lim, lim_s);
+	argvlen[4] = pg_ltoa(lim, lim_s);
 	argv[5] = lease_s;
-	argvlen[5] = pg_lltoa(limit.window_ms, lease_s);
+	argvlen[5] = pg_lltoa(lease_ms, lease_s);
 	argv[6] = token;
 	argvlen[6] = strlen(token);
 	argv[7] = now_s;
 	argvlen[7] = rl_clock_arg(now_s);
 
 	reply = rl_run_script(&rl_script_concurrency, 8, argv, argvlen, &failure);
-	if (reply == NULL || !rl_parse_decision(reply, d, NULL, &failure))
+	if (reply == NULL || !rl_parse_decision(reply, d, NULL, 0, NULL, &failure))
 	{
-		rl_apply_on_error(&failure, limit.lim, 1, d);
+		rl_apply_on_error(&failure, lim, 1, d);
 		return;
 	}
 	if (d->allowed)
@@ -183,10 +208,124 @@ rl_acquire(FunctionCallInfo fcinfo, RlDecision *d)
 
 		slot->key = pnstrdup(key->data, key->len);
 		slot->keylen = key->len;
+		initStringInfo(&owner);
+		rl_slot_owner(&owner, policy, identity);
+		slot->owner = owner.data;
+		slot->ownerlen = owner.len;
+		slot->nestlevel = GetCurrentTransactionNestLevel();
 		strlcpy(slot->token, token, sizeof(slot->token));
 		held_slots = lappend(held_slots, slot);
 		MemoryContextSwitchTo(old);
 	}
+}
+
+/* Takes a slot for the arguments (identity, lim, lease_ms). */
+static void
+rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
+{
+	text	   *identity = rl_get_identity(fcinfo, 0);
+	int32		lim;
+	int64		lease_ms;
+
+	if (PG_ARGISNULL(1))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("lim must not be null")));
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("lease_ms must not be null")));
+	lim = PG_GETARG_INT32(1);
+	lease_ms = PG_GETARG_INT64(2);
+	if (lim <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("lim must be greater than zero")));
+	if (lease_ms <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("lease_ms must be greater than zero")));
+	rl_take_slot(NULL, identity, lim, lease_ms, d);
+}
+
+/* Takes a slot for the arguments (policy, identity). */
+static void
+rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
+{
+	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
+	text	   *identity = rl_get_identity(fcinfo, 1);
+
+	if (!policy.concurrency)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("policy \"%s\" is a rate limit, not a concurrency limit",
+						policy.name),
+				 errhint("Decide with rl_check().")));
+	rl_take_slot(policy.name, identity, policy.limit.lim,
+				 policy.limit.window_ms, d);
+}
+
+/*
+ * Gives back the slot this backend took last for policy (NULL: explicit
+ * limits) and identity; false when it holds none (or its lease had ended).
+ */
+static bool
+rl_release_slot(const char *policy, text *identity)
+{
+	StringInfoData owner;
+	RlSlot	   *slot = NULL;
+	ListCell   *lc;
+	const char *argv[3];
+	size_t		argvlen[3];
+	redisReply *reply;
+	RlFailure	failure;
+	bool		released;
+
+	initStringInfo(&owner);
+	rl_slot_owner(&owner, policy, identity);
+	foreach(lc, held_slots)
+	{
+		RlSlot	   *s = (RlSlot *) lfirst(lc);
+
+		if (s->ownerlen == (size_t) owner.len &&
+			memcmp(s->owner, owner.data, owner.len) == 0)
+			slot = s;
+	}
+	pfree(owner.data);
+	if (slot == NULL)
+		return false;
+
+	argv[0] = "ZREM";
+	argvlen[0] = 4;
+	argv[1] = slot->key;
+	argvlen[1] = slot->keylen;
+	argv[2] = slot->token;
+	argvlen[2] = strlen(slot->token);
+	reply = rl_command(3, argv, argvlen, &failure);
+	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(reply, &failure);
+		reply = NULL;
+	}
+	if (reply == NULL)
+	{
+		/* sent again with the next command, or freed by its lease */
+		rl_queue_release(slot);
+		held_slots = list_delete_ptr(held_slots, slot);
+		rl_free_slot(slot);
+		if (rl_on_error == RL_ON_ERROR_ERROR)
+			rl_raise(&failure);
+		ereport(WARNING,
+				(errcode(failure.sqlerrcode),
+				 errmsg_internal("%s", failure.message),
+				 errdetail("The slot is given back with the next call that reaches Redis, or when its lease ends.")));
+		return false;
+	}
+	released = reply->type == REDIS_REPLY_INTEGER && reply->integer == 1;
+	freeReplyObject(reply);
+	held_slots = list_delete_ptr(held_slots, slot);
+	rl_free_slot(slot);
+	return released;
 }
 
 PG_FUNCTION_INFO_V1(rl_concurrency_acquire);
@@ -197,7 +336,7 @@ rl_concurrency_acquire(PG_FUNCTION_ARGS)
 {
 	RlDecision	d;
 
-	rl_acquire(fcinfo, &d);
+	rl_acquire_args(fcinfo, &d);
 	return rl_result_datum(fcinfo, &d);
 }
 
@@ -209,7 +348,7 @@ rl_concurrency_acquire_allow(PG_FUNCTION_ARGS)
 {
 	RlDecision	d;
 
-	rl_acquire(fcinfo, &d);
+	rl_acquire_args(fcinfo, &d);
 	PG_RETURN_BOOL(d.allowed);
 }
 
@@ -217,40 +356,48 @@ PG_FUNCTION_INFO_V1(rl_concurrency_release);
 
 /*
  * rl_concurrency_release(identity): gives back the slot this backend took
- * last for identity; false when it holds none (or its lease had ended).
+ * last for identity with rl_concurrency_acquire; false when it holds none.
  */
 Datum
 rl_concurrency_release(PG_FUNCTION_ARGS)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0);
-	StringInfo	key = rl_build_key("concurrency", identity, NULL);
-	RlSlot	   *slot = NULL;
-	ListCell   *lc;
-	RlFailure	failure;
-	bool		failed;
-	bool		released;
+	PG_RETURN_BOOL(rl_release_slot(NULL, rl_get_identity(fcinfo, 0)));
+}
 
-	foreach(lc, held_slots)
-	{
-		RlSlot	   *s = (RlSlot *) lfirst(lc);
+PG_FUNCTION_INFO_V1(rl_acquire);
 
-		if (s->keylen == (size_t) key->len &&
-			memcmp(s->key, key->data, key->len) == 0)
-			slot = s;
-	}
-	if (slot == NULL)
-		PG_RETURN_BOOL(false);
+/* rl_acquire(policy, identity): takes a slot of a concurrency policy. */
+Datum
+rl_acquire(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
 
-	released = rl_release_slot(slot, &failure, &failed);
-	rl_forget_slot(slot);
-	if (failed)
-	{
-		if (rl_on_error == RL_ON_ERROR_ERROR)
-			rl_raise(&failure);
-		ereport(WARNING,
-				(errcode(failure.sqlerrcode),
-				 errmsg_internal("%s", failure.message),
-				 errdetail("The slot is freed when its lease ends.")));
-	}
-	PG_RETURN_BOOL(released);
+	rl_acquire_policy(fcinfo, &d);
+	return rl_result_datum(fcinfo, &d);
+}
+
+PG_FUNCTION_INFO_V1(rl_acquire_allow);
+
+/* rl_acquire_allow(policy, identity): the same, as boolean. */
+Datum
+rl_acquire_allow(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
+
+	rl_acquire_policy(fcinfo, &d);
+	PG_RETURN_BOOL(d.allowed);
+}
+
+PG_FUNCTION_INFO_V1(rl_release);
+
+/*
+ * rl_release(policy, identity): gives back the slot this backend took last
+ * for the policy and identity; false when it holds none.
+ */
+Datum
+rl_release(PG_FUNCTION_ARGS)
+{
+	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
+
+	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1)));
 }

@@ -3,7 +3,9 @@
  *	  Trigger functions that rate-limit the writes to a table.
  *
  *	  rl_guard(limit, identity_columns [, cost_column])
- *		  FOR EACH ROW: one decision per row.
+ *		  AFTER INSERT OR UPDATE ... FOR EACH ROW: one decision per row
+ *		  written (so rows that INSERT ... ON CONFLICT skips cost nothing,
+ *		  and an upsert costs one unit per row).
  *	  rl_guard_statement(limit, identity_columns [, cost_column])
  *		  FOR EACH STATEMENT with REFERENCING NEW TABLE: each identity is
  *		  charged its rows (or the sum of its cost column) in one script call,
@@ -11,9 +13,14 @@
  *
  * limit is a policy name (a row of rl_policy) or an explicit
  * "<algorithm>:<lim>/<window_ms>[/<burst>]". identity_columns names one
- * column or several separated by commas; the identity is their text values
- * joined with ':'. A denied write raises SQLSTATE PT429 (which PostgREST
- * answers with HTTP 429) with the limit in DETAIL and the wait in HINT.
+ * column or several separated by commas. With one column the identity is its
+ * text value as is; with several, each value has '\' and ':' escaped with a
+ * backslash and they are joined with ':'. Values of other types than
+ * integers and text are rendered with fixed settings (DateStyle ISO,
+ * TimeZone UTC, IntervalStyle postgres, extra_float_digits 1, bytea_output
+ * hex), so that the session cannot change a row's identity. A denied write
+ * raises SQLSTATE PT429 (which PostgREST answers with HTTP 429) with the
+ * limit in DETAIL and the wait in HINT.
  */
 #include "postgres.h"
 
@@ -24,14 +31,30 @@
 #include "common/hashfn.h"
 #include "executor/executor.h"
 #include "executor/spi.h"
-#include "utils/tuplestore.h"
+#include "miscadmin.h"
+#include "pgtime.h"
 #include "utils/builtins.h"
+#include "utils/bytea.h"
+#include "utils/float.h"
+#include "utils/guc.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
+#include "utils/tuplestore.h"
 
 #include "rl_redis.h"
 
 #define ERRCODE_RL_RATE_LIMITED MAKE_SQLSTATE('P','T','4','2','9')
+
+/* How the value of an identity column is written into the identity. */
+typedef enum RlColumnKind
+{
+	RL_COLUMN_INT2,
+	RL_COLUMN_INT4,
+	RL_COLUMN_INT8,
+	RL_COLUMN_TEXT,				/* text, varchar: the bytes */
+	RL_COLUMN_OUTPUT,			/* through the type's output function */
+	RL_COLUMN_OUTPUT_FIXED		/* the same, under fixed settings */
+} RlColumnKind;
 
 /* What a guard trigger's arguments say, resolved for its relation. */
 typedef struct RlGuard
@@ -43,8 +66,9 @@ typedef struct RlGuard
 	int			ncolumns;
 	AttrNumber *columns;		/* identity columns */
 	char	  **column_names;
-	Oid		   *column_types;
+	RlColumnKind *column_kinds;
 	FmgrInfo   *column_output;	/* their output functions */
+	bool		fixed_settings; /* some column's text depends on settings */
 	AttrNumber	cost_column;	/* InvalidAttrNumber when none */
 	char	   *cost_name;
 	Oid			cost_type;
@@ -114,6 +138,39 @@ rl_guard_column(Relation rel, const char *name)
 }
 
 /*
+ * Returns how a column of type typid is written into an identity: integers
+ * and text (also under a domain) directly; the few types whose output
+ * functions read no setting through those; all others through their output
+ * functions under fixed settings (rl_guard_fixed_settings).
+ */
+static RlColumnKind
+rl_guard_column_kind(Oid typid)
+{
+	switch (getBaseType(typid))
+	{
+		case INT2OID:
+			return RL_COLUMN_INT2;
+		case INT4OID:
+			return RL_COLUMN_INT4;
+		case INT8OID:
+			return RL_COLUMN_INT8;
+		case TEXTOID:
+		case VARCHAROID:
+			return RL_COLUMN_TEXT;
+		case BOOLOID:
+		case BPCHAROID:
+		case CHAROID:
+		case NAMEOID:
+		case NUMERICOID:
+		case OIDOID:
+		case UUIDOID:
+			return RL_COLUMN_OUTPUT;
+		default:
+			return RL_COLUMN_OUTPUT_FIXED;
+	}
+}
+
+/*
  * Resolves the trigger's arguments once per statement (cached in fn_extra)
  * and returns them.
  */
@@ -158,10 +215,11 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 	list = pstrdup(trigger->tgargs[1]);
 	guard->columns = palloc(sizeof(AttrNumber) * (strlen(list) + 1));
 	guard->column_names = palloc(sizeof(char *) * (strlen(list) + 1));
-	guard->column_types = palloc(sizeof(Oid) * (strlen(list) + 1));
+	guard->column_kinds = palloc(sizeof(RlColumnKind) * (strlen(list) + 1));
 	guard->column_output = palloc(sizeof(FmgrInfo) * (strlen(list) + 1));
 	for (tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
 	{
+		Oid			typid;
 		Oid			typoutput;
 		bool		varlena;
 		AttrNumber	attnum;
@@ -173,9 +231,11 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 		attnum = rl_guard_column(rel, tok);
 		guard->column_names[guard->ncolumns] = tok;
 		guard->columns[guard->ncolumns] = attnum;
-		guard->column_types[guard->ncolumns] =
-			TupleDescAttr(RelationGetDescr(rel), attnum - 1)->atttypid;
-		getTypeOutputInfo(guard->column_types[guard->ncolumns], &typoutput, &varlena);
+		typid = TupleDescAttr(RelationGetDescr(rel), attnum - 1)->atttypid;
+		guard->column_kinds[guard->ncolumns] = rl_guard_column_kind(typid);
+		if (guard->column_kinds[guard->ncolumns] == RL_COLUMN_OUTPUT_FIXED)
+			guard->fixed_settings = true;
+		getTypeOutputInfo(typid, &typoutput, &varlena);
 		fmgr_info_cxt(typoutput, &guard->column_output[guard->ncolumns],
 					  fcinfo->flinfo->fn_mcxt);
 		guard->ncolumns++;
@@ -228,17 +288,97 @@ rl_guard_denied(RlGuard *guard, Relation rel, const char *identity,
 }
 
 /*
- * Writes the identity of the row in slot into buf: its identity columns'
- * text joined with ':'. Integers and text are written directly, other
- * types through their output functions.
+ * Sets DateStyle, TimeZone, IntervalStyle, extra_float_digits and
+ * bytea_output to fixed values for the output functions, as postgres_fdw's
+ * set_transmission_modes() does, where the session has others. Returns the
+ * GUC nest level to hand to AtEOXact_GUC(true, ...) afterwards, or -1 when
+ * nothing needed a change.
+ */
+static int
+rl_guard_fixed_settings(void)
+{
+	bool		datestyle = DateStyle != USE_ISO_DATES;
+	bool		timezone = strcmp(pg_get_timezone_name(session_timezone), "UTC") != 0;
+	bool		intervalstyle = IntervalStyle != INTSTYLE_POSTGRES;
+	bool		floatdigits = extra_float_digits <= 0;
+	bool		byteaoutput = bytea_output != BYTEA_OUTPUT_HEX;
+	int			nestlevel;
+
+	if (!datestyle && !timezone && !intervalstyle && !floatdigits &&
+		!byteaoutput)
+		return -1;
+
+	nestlevel = NewGUCNestLevel();
+	if (datestyle)
+		(void) set_config_option("datestyle", "ISO",
+								 PGC_USERSET, PGC_S_SESSION,
+								 GUC_ACTION_SAVE, true, 0, false);
+	if (timezone)
+		(void) set_config_option("timezone", "UTC",
+								 PGC_USERSET, PGC_S_SESSION,
+								 GUC_ACTION_SAVE, true, 0, false);
+	if (intervalstyle)
+		(void) set_config_option("intervalstyle", "postgres",
+								 PGC_USERSET, PGC_S_SESSION,
+								 GUC_ACTION_SAVE, true, 0, false);
+
+	/*
+	 * Every extra_float_digits above zero writes the same shortest exact
+	 * text, so only a session that asks for rounding needs 1.
+	 */
+	if (floatdigits)
+		(void) set_config_option("extra_float_digits", "1",
+								 PGC_USERSET, PGC_S_SESSION,
+								 GUC_ACTION_SAVE, true, 0, false);
+	if (byteaoutput)
+		(void) set_config_option("bytea_output", "hex",
+								 PGC_USERSET, PGC_S_SESSION,
+								 GUC_ACTION_SAVE, true, 0, false);
+	return nestlevel;
+}
+
+/*
+ * Appends len bytes of value to buf, with a '\' before each '\' and ':'
+ * when escape is set.
+ */
+static void
+rl_guard_append(StringInfo buf, const char *value, int len, bool escape)
+{
+	int			start = 0;
+	int			i;
+
+	if (escape)
+	{
+		for (i = 0; i < len; i++)
+		{
+			if (value[i] != '\\' && value[i] != ':')
+				continue;
+			appendBinaryStringInfo(buf, value + start, i - start);
+			appendStringInfoChar(buf, '\\');
+			start = i;
+		}
+	}
+	appendBinaryStringInfo(buf, value + start, len - start);
+}
+
+/*
+ * Writes the identity of the row in slot into buf: the text of its one
+ * identity column as is, or the texts of several, each with '\' and ':'
+ * escaped, joined with ':'. Integers and text are written directly, other
+ * types through their output functions, under fixed settings when the
+ * guard has a column whose text depends on them.
  */
 static void
 rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 				  StringInfo buf)
 {
+	bool		escape = guard->ncolumns > 1;
+	int			nestlevel = -1;
 	int			i;
 
 	resetStringInfo(buf);
+	if (guard->fixed_settings)
+		nestlevel = rl_guard_fixed_settings();
 	for (i = 0; i < guard->ncolumns; i++)
 	{
 		bool		isnull;
@@ -256,30 +396,39 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 					 errtable(rel)));
 		if (i > 0)
 			appendStringInfoChar(buf, ':');
-		switch (guard->column_types[i])
+		switch (guard->column_kinds[i])
 		{
-			case INT2OID:
+			case RL_COLUMN_INT2:
 				appendBinaryStringInfo(buf, num, pg_ltoa(DatumGetInt16(value), num));
 				break;
-			case INT4OID:
+			case RL_COLUMN_INT4:
 				appendBinaryStringInfo(buf, num, pg_ltoa(DatumGetInt32(value), num));
 				break;
-			case INT8OID:
+			case RL_COLUMN_INT8:
 				appendBinaryStringInfo(buf, num, pg_lltoa(DatumGetInt64(value), num));
 				break;
-			case TEXTOID:
-			case VARCHAROID:
+			case RL_COLUMN_TEXT:
 				{
 					text	   *t = DatumGetTextPP(value);
 
-					appendBinaryStringInfo(buf, VARDATA_ANY(t), VARSIZE_ANY_EXHDR(t));
+					rl_guard_append(buf, VARDATA_ANY(t), VARSIZE_ANY_EXHDR(t),
+									escape);
 					break;
 				}
-			default:
-				appendStringInfoString(buf, OutputFunctionCall(&guard->column_output[i],
-															   value));
+			case RL_COLUMN_OUTPUT:
+			case RL_COLUMN_OUTPUT_FIXED:
+				{
+					char	   *out = OutputFunctionCall(&guard->column_output[i],
+														 value);
+
+					rl_guard_append(buf, out, strlen(out), escape);
+					pfree(out);
+					break;
+				}
 		}
 	}
+	if (nestlevel >= 0)
+		AtEOXact_GUC(true, nestlevel);
 	if (buf->len == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -321,30 +470,35 @@ rl_guard_cost(RlGuard *guard, Relation rel, TupleTableSlot *slot)
 PG_FUNCTION_INFO_V1(rl_guard);
 
 /*
- * Row guard: charges the row's identity one unit (or its cost column) and
- * raises PT429 when the limit denies it.
+ * Row guard: charges the identity of a row written (for an UPDATE, of the
+ * new row) one unit (or its cost column) and raises PT429 when the limit
+ * denies it. It must fire AFTER the write: a BEFORE trigger also sees the
+ * rows that INSERT ... ON CONFLICT skips or turns into an UPDATE.
  */
 Datum
 rl_guard(PG_FUNCTION_ARGS)
 {
 	TriggerData *trigdata = (TriggerData *) fcinfo->context;
-	RlGuard    *guard = rl_guard_setup(fcinfo, "rl_guard");
-	Relation	rel = trigdata->tg_relation;
-	HeapTuple	tuple;
+	RlGuard    *guard;
+	Relation	rel;
 	TupleTableSlot *slot;
 	StringInfoData identity;
 	int32		cost;
 	RlDecision	d;
 
-	if (!TRIGGER_FIRED_FOR_ROW(trigdata->tg_event) ||
-		!(TRIGGER_FIRED_BY_INSERT(trigdata->tg_event) ||
-		  TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event)))
+	/* rl_guard_setup complains when not called as a trigger */
+	if (CALLED_AS_TRIGGER(fcinfo) &&
+		(!TRIGGER_FIRED_AFTER(trigdata->tg_event) ||
+		 !TRIGGER_FIRED_FOR_ROW(trigdata->tg_event) ||
+		 !(TRIGGER_FIRED_BY_INSERT(trigdata->tg_event) ||
+		   TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event))))
 		ereport(ERROR,
 				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("rl_guard must be fired FOR EACH ROW on INSERT or UPDATE")));
+				 errmsg("rl_guard must be fired AFTER INSERT OR UPDATE ... FOR EACH ROW"),
+				 errhint("For example: CREATE TRIGGER t AFTER INSERT ON tbl FOR EACH ROW EXECUTE FUNCTION rl_guard('free', 'tenant_id').")));
+	guard = rl_guard_setup(fcinfo, "rl_guard");
+	rel = trigdata->tg_relation;
 
-	tuple = TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event) ?
-		trigdata->tg_newtuple : trigdata->tg_trigtuple;
 	slot = TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event) ?
 		trigdata->tg_newslot : trigdata->tg_trigslot;
 
@@ -356,16 +510,13 @@ rl_guard(PG_FUNCTION_ARGS)
 		text	   *identity_text = cstring_to_text_with_len(identity.data,
 															 identity.len);
 
-		rl_decide_limit(&guard->limit, identity_text, guard->policy, cost, &d);
+		rl_decide_limit(&guard->limit, identity_text, guard->policy, cost,
+						true, &d);
 		if (!d.allowed)
 			rl_guard_denied(guard, rel, identity.data, &d);
-		if (d.from_redis && rl_refund_wanted(true))
-			rl_remember_charge(&guard->limit,
-							   rl_build_key(guard->limit.algorithm->name,
-											identity_text, guard->policy),
-							   cost, true);
 	}
-	return PointerGetDatum(tuple);
+	/* the result of an AFTER trigger is ignored */
+	return PointerGetDatum(NULL);
 }
 
 /* One identity of a statement and the units its rows cost. */
@@ -400,10 +551,10 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	RlGroup    *group;
 	RlGroup   **list;
 	RlCharge   *charges;
+	char		suffix[64];
 	int			n = 0;
 	int			readptr;
 	int			worst;
-	int			i;
 	RlDecision	d;
 	RlFailure	failure;
 
@@ -487,7 +638,8 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 			charges[n].key = rl_copy_key(rl_build_key(guard->limit.algorithm->name,
 													  cstring_to_text_with_len(group->identity,
 																			   group->len),
-													  guard->policy));
+													  guard->policy ? guard->policy :
+													  rl_limit_suffix(&guard->limit, suffix)));
 			charges[n].cost = (int32) group->units;
 			n++;
 		}
@@ -495,15 +647,12 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	if (n == 0)
 		return PointerGetDatum(NULL);
 
-	if (!rl_decide_many(charges, n, &d, &worst, &failure))
+	if (!rl_decide_many(charges, n, true, &d, &worst, &failure))
 	{
 		rl_apply_on_error(&failure, guard->limit.lim, 0, &d);
 		worst = 0;
 	}
 	if (!d.allowed)
 		rl_guard_denied(guard, rel, list[worst]->identity, &d);
-	if (d.from_redis)
-		for (i = 0; i < n; i++)
-			rl_remember_charge(&guard->limit, charges[i].key, charges[i].cost, true);
 	return PointerGetDatum(NULL);
 }

@@ -7,19 +7,34 @@
  * server at another Redis, read the password, or make its own calls fail
  * open (a tiny timeout with on_error = allow would do that, so the timeouts
  * are superuser-only too).
+ *
+ * The Redis password comes from rl_redis.password (postgresql.conf or ALTER
+ * SYSTEM only: a database or role setting is readable by every role in
+ * pg_db_role_setting, so the check hook refuses those) or from the file that
+ * rl_redis.password_file names. The transport gets it through
+ *
+ *	bool rl_read_password(char *buf, size_t size, char *err, size_t errsize);
  */
 #include "postgres.h"
 
+#include <fcntl.h>
 #include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include "miscadmin.h"
 #include "utils/guc.h"
 
 #include "rl_redis.h"
+
+/* TODO(lead): move this declaration to rl_redis.h (for the transport's settings signature) */
+extern char *rl_password_file;
 
 char	   *rl_host = NULL;
 int			rl_port = 6379;
 char	   *rl_username = NULL;
 char	   *rl_password = NULL;
+char	   *rl_password_file = NULL;
 int			rl_database = 0;
 int			rl_connect_timeout = 2000;
 int			rl_command_timeout = 2000;
@@ -28,6 +43,8 @@ char	   *rl_key_prefix = NULL;
 int			rl_on_error = RL_ON_ERROR_ERROR;
 int			rl_refund_on_abort = RL_REFUND_GUARDS;
 double		rl_test_clock_ms = 0;
+int			rl_max_lease = 3600000;
+int			rl_sliding_max_lim = 10000;
 bool		rl_tls = false;
 char	   *rl_tls_ca_file = NULL;
 char	   *rl_tls_cert_file = NULL;
@@ -82,6 +99,160 @@ check_host(char **newval, void **extra, GucSource source)
 		return false;
 	}
 	return true;
+}
+
+/*
+ * Refuses a non-empty rl_redis.password from a database or role setting
+ * (ALTER DATABASE/ROLE ... SET validates with PGC_S_TEST, and such values
+ * come back as PGC_S_GLOBAL, PGC_S_DATABASE, PGC_S_USER or
+ * PGC_S_DATABASE_USER): pg_db_role_setting is readable by every role.
+ */
+static bool
+check_password(char **newval, void **extra, GucSource source)
+{
+	if (*newval == NULL || (*newval)[0] == '\0')
+		return true;
+	switch (source)
+	{
+		case PGC_S_TEST:
+		case PGC_S_GLOBAL:
+		case PGC_S_DATABASE:
+		case PGC_S_USER:
+		case PGC_S_DATABASE_USER:
+			GUC_check_errdetail("A database or role setting is readable by every role.");
+			GUC_check_errhint("Set rl_redis.password in postgresql.conf (or with ALTER SYSTEM), or use rl_redis.password_file.");
+			return false;
+		default:
+			return true;
+	}
+}
+
+/*
+ * Fills buf with the Redis password to send: rl_redis.password when set,
+ * else the first line (without its line end) of the file rl_redis.password_file
+ * names, else "". Returns false with a message in err when the file cannot
+ * be read, is not a plain file, is group or world accessible (like libpq's
+ * passfile), or its first line is empty or longer than size - 1 bytes.
+ * Never raises: it is called while connecting.
+ */
+bool
+rl_read_password(char *buf, size_t size, char *err, size_t errsize)
+{
+	const char *path = rl_password_file;
+	struct stat st;
+	size_t		len = 0;
+	int			fd;
+	bool		ok = false;
+
+	if (errsize > 0)
+		err[0] = '\0';
+	if (size == 0)
+	{
+		snprintf(err, errsize, "no room for the password");
+		return false;
+	}
+	buf[0] = '\0';
+
+	if (rl_password != NULL && rl_password[0] != '\0')
+	{
+		if (strlen(rl_password) >= size)
+		{
+			snprintf(err, errsize, "rl_redis.password is longer than %zu bytes",
+					 size - 1);
+			return false;
+		}
+		strcpy(buf, rl_password);
+		return true;
+	}
+	if (path == NULL || path[0] == '\0')
+		return true;
+
+	fd = open(path, O_RDONLY | O_CLOEXEC, 0);
+	if (fd < 0)
+	{
+		snprintf(err, errsize, "could not open password file \"%s\": %s",
+				 path, strerror(errno));
+		return false;
+	}
+	if (fstat(fd, &st) != 0)
+	{
+		snprintf(err, errsize, "could not stat password file \"%s\": %s",
+				 path, strerror(errno));
+		goto done;
+	}
+	if (!S_ISREG(st.st_mode))
+	{
+		snprintf(err, errsize, "password file \"%s\" is not a plain file", path);
+		goto done;
+	}
+	if (st.st_mode & (S_IRWXG | S_IRWXO))
+	{
+		snprintf(err, errsize,
+				 "password file \"%s\" has group or world access; permissions should be u=rw (0600) or less",
+				 path);
+		goto done;
+	}
+
+	/* read up to the first newline, into buf directly (no other copy) */
+	for (;;)
+	{
+		ssize_t		n;
+		char	   *nl;
+
+		if (len == size - 1)
+		{
+			char		c;
+
+			/* buf is full: the line must end here */
+			do
+				n = read(fd, &c, 1);
+			while (n < 0 && errno == EINTR);
+			if (n < 0)
+				goto read_failed;
+			if (n == 1 && c != '\n')
+			{
+				snprintf(err, errsize,
+						 "password in file \"%s\" is longer than %zu bytes",
+						 path, size - 1);
+				goto done;
+			}
+			break;
+		}
+		n = read(fd, buf + len, size - 1 - len);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			goto read_failed;
+		if (n == 0)
+			break;
+		nl = memchr(buf + len, '\n', n);
+		if (nl != NULL)
+		{
+			len = nl - buf;
+			break;
+		}
+		len += n;
+	}
+	buf[len] = '\0';
+	while (len > 0 && buf[len - 1] == '\r')
+		buf[--len] = '\0';
+	if (memchr(buf, '\0', len) != NULL)
+		snprintf(err, errsize, "password file \"%s\" contains a zero byte", path);
+	else if (len == 0)
+		snprintf(err, errsize, "password file \"%s\" is empty", path);
+	else
+		ok = true;
+	goto done;
+
+read_failed:
+	snprintf(err, errsize, "could not read password file \"%s\": %s",
+			 path, strerror(errno));
+
+done:
+	if (!ok)
+		explicit_bzero(buf, size);
+	close(fd);
+	return ok;
 }
 
 /* Keeps rl_redis.key_prefix free of bytes that make keys hard to handle. */
@@ -146,6 +317,26 @@ rl_define_gucs(void)
 							   "",
 							   PGC_SUSET,
 							   GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
+							   check_password, assign_connection_string, NULL);
+
+	/*
+	 * Until the library is loaded, rl_redis.password from postgresql.conf is
+	 * a placeholder that SHOW, current_setting and pg_settings show to every
+	 * role: only preloading keeps it hidden from the start.
+	 */
+	if (!process_shared_preload_libraries_in_progress &&
+		rl_password != NULL && rl_password[0] != '\0')
+		ereport(WARNING,
+				(errmsg("rl_redis.password was readable by any role before the rl_redis library was loaded"),
+				 errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file.")));
+
+	DefineCustomStringVariable("rl_redis.password_file",
+							   "File whose first line is the Redis password sent with AUTH.",
+							   "Used when rl_redis.password is empty. The file must not be group or world accessible (0600).",
+							   &rl_password_file,
+							   "",
+							   PGC_SUSET,
+							   GUC_SUPERUSER_ONLY,
 							   NULL, assign_connection_string, NULL);
 
 	DefineCustomBoolVariable("rl_redis.tls",
@@ -258,11 +449,29 @@ rl_define_gucs(void)
 							 0,
 							 NULL, NULL, NULL);
 
+	DefineCustomIntVariable("rl_redis.max_lease",
+							"Longest lease a concurrency slot may have.",
+							"A slot whose holder never gives it back (a crashed backend) stays taken this long at most.",
+							&rl_max_lease,
+							3600000, 1, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("rl_redis.sliding_max_lim",
+							"Largest lim of a sliding window log.",
+							"The log keeps one Redis sorted-set entry (about 110 bytes) per unit in the window.",
+							&rl_sliding_max_lim,
+							10000, 1, RL_MAX_SLIDING_LIM,
+							PGC_SUSET,
+							0,
+							NULL, NULL, NULL);
+
 	DefineCustomRealVariable("rl_redis.test_clock_ms",
 							 "Fixed clock for tests, in milliseconds since the epoch.",
 							 "Zero (the default) uses the Redis server's clock. For tests only.",
 							 &rl_test_clock_ms,
-							 0, 0, 1e15,
+							 0, 0, RL_MAX_TEST_CLOCK_MS,
 							 PGC_SUSET,
 							 GUC_NOT_IN_SAMPLE,
 							 NULL, NULL, NULL);

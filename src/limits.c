@@ -12,6 +12,7 @@
 
 #include "access/htup_details.h"
 #include "funcapi.h"
+#include "miscadmin.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
@@ -35,6 +36,9 @@ enum
 
 /* reused for every key, so that a call allocates nothing */
 static StringInfoData keybuf;
+
+/* a reused buffer larger than this is given back after use */
+#define RL_KEEP_BUFFER (64 * 1024)
 
 /* what a fail-closed decision tells the caller to wait */
 #define RL_DENY_RETRY_MS 1000
@@ -79,10 +83,18 @@ rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name)
 	return cost;
 }
 
-/* Raises 22023 when a limit's numbers are out of range. */
+/*
+ * Raises 22023 when a limit's numbers are out of range: lim and window_ms
+ * positive, window_ms at most 100 years, the whole burst refilled within
+ * 100 years (so that every time the scripts compute is exact in a double
+ * and every expiry fits), a sliding log no longer than
+ * rl_redis.sliding_max_lim.
+ */
 void
 rl_check_limit(const RlLimit *limit)
 {
+	int32		cap = limit->burst > 0 ? limit->burst : limit->lim;
+
 	if (limit->lim <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -96,28 +108,43 @@ rl_check_limit(const RlLimit *limit)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("window_ms must be at most " INT64_FORMAT " (100 years)",
 						RL_MAX_WINDOW_MS)));
-	if (limit->algorithm == &rl_algorithms[RL_SLIDING] &&
-		limit->lim > RL_MAX_SLIDING_LIM)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lim of a sliding window log must be at most %d",
-						RL_MAX_SLIDING_LIM),
-				 errdetail("The log keeps one entry per unit in the window."),
-				 errhint("Use rl_sliding_counter for larger limits.")));
 	if (limit->burst < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("burst must be greater than zero")));
+	/* cap * window_ms / lim <= 100 years, without overflow */
+	if ((double) cap * (double) limit->window_ms >
+		(double) limit->lim * (double) RL_MAX_WINDOW_MS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("burst %d is too large for a rate of %d per " INT64_FORMAT " ms",
+						cap, limit->lim, limit->window_ms),
+				 errdetail("Refilling the whole burst must take at most 100 years (burst * window_ms / lim <= " INT64_FORMAT ").",
+						   RL_MAX_WINDOW_MS)));
+	if (limit->algorithm == &rl_algorithms[RL_SLIDING] &&
+		limit->lim > rl_sliding_max_lim)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("lim of a sliding window log must be at most %d",
+						rl_sliding_max_lim),
+				 errdetail("The log keeps one entry per unit in the window; rl_redis.sliding_max_lim bounds it."),
+				 errhint("Use rl_sliding_counter for larger limits.")));
 }
 
 /*
  * Builds <key_prefix><kind>:{<identity>}[:<suffix>] in a buffer that the
  * next call reuses. The braces make every key of one identity hash to the
- * same Redis Cluster slot.
+ * same Redis Cluster slot; inside them '%', '{' and '}' are percent-encoded,
+ * so that the hash tag is never empty and never ends early, and two
+ * identities never share a key.
  */
 StringInfo
 rl_build_key(const char *kind, text *identity, const char *suffix)
 {
+	const char *p = VARDATA_ANY(identity);
+	const char *end = p + VARSIZE_ANY_EXHDR(identity);
+	const char *run = p;
+
 	if (keybuf.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -125,12 +152,26 @@ rl_build_key(const char *kind, text *identity, const char *suffix)
 		initStringInfo(&keybuf);
 		MemoryContextSwitchTo(old);
 	}
+	else if (keybuf.maxlen > RL_KEEP_BUFFER)
+	{
+		/* a huge identity does not keep its buffer for the backend's life */
+		pfree(keybuf.data);
+		keybuf.data = MemoryContextAlloc(TopMemoryContext, 1024);
+		keybuf.maxlen = 1024;
+	}
 	resetStringInfo(&keybuf);
 	appendStringInfoString(&keybuf, rl_key_prefix);
 	appendStringInfoString(&keybuf, kind);
 	appendBinaryStringInfo(&keybuf, ":{", 2);
-	appendBinaryStringInfo(&keybuf, VARDATA_ANY(identity),
-						   VARSIZE_ANY_EXHDR(identity));
+	for (; p < end; p++)
+	{
+		if (*p != '%' && *p != '{' && *p != '}')
+			continue;
+		appendBinaryStringInfo(&keybuf, run, p - run);
+		appendStringInfoString(&keybuf, *p == '%' ? "%25" : *p == '{' ? "%7B" : "%7D");
+		run = p + 1;
+	}
+	appendBinaryStringInfo(&keybuf, run, end - run);
 	appendStringInfoChar(&keybuf, '}');
 	if (suffix != NULL)
 	{
@@ -138,6 +179,22 @@ rl_build_key(const char *kind, text *identity, const char *suffix)
 		appendStringInfoString(&keybuf, suffix);
 	}
 	return &keybuf;
+}
+
+/*
+ * Writes the key suffix of an explicit limit, "<lim>/<window_ms>[/<burst>]",
+ * into buf (at least 64 bytes) and returns it: two limits on one identity
+ * are two counters.
+ */
+const char *
+rl_limit_suffix(const RlLimit *limit, char *buf)
+{
+	if (limit->burst > 0)
+		snprintf(buf, 64, "%d/" INT64_FORMAT "/%d", limit->lim,
+				 limit->window_ms, limit->burst);
+	else
+		snprintf(buf, 64, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
+	return buf;
 }
 
 /* Writes the scripts' clock argument into buf: the test clock, or "". */
@@ -223,14 +280,16 @@ rl_error_reply(redisReply *reply, RlFailure *failure)
 
 /*
  * Turns a script's reply into d and frees it; false, with failure filled in,
- * when the reply is an error or not the five integers the scripts return.
- * With index, the reply has a sixth integer, stored there (as 0-based).
+ * when the reply is an error or not the integers the scripts return: the
+ * decision and its clock, or, with charges (a several-limits call of n
+ * charges), the most restrictive decision, its index (stored in *index,
+ * 0-based) and the clock of every charge (stored in charges[i].stamp_us).
  */
 bool
-rl_parse_decision(redisReply *reply, RlDecision *d, int *index,
-				  RlFailure *failure)
+rl_parse_decision(redisReply *reply, RlDecision *d, RlCharge *charges, int n,
+				  int *index, RlFailure *failure)
 {
-	size_t		n = index ? 6 : 5;
+	size_t		expected = charges ? 6 + n : 6;
 	size_t		i;
 
 	if (reply->type == REDIS_REPLY_ERROR)
@@ -238,11 +297,16 @@ rl_parse_decision(redisReply *reply, RlDecision *d, int *index,
 		rl_error_reply(reply, failure);
 		return false;
 	}
-	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != n)
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != expected)
 		goto bad;
-	for (i = 0; i < n; i++)
+	for (i = 0; i < expected; i++)
 		if (reply->element[i]->type != REDIS_REPLY_INTEGER)
 			goto bad;
+	if (reply->element[1]->integer <= 0 || reply->element[1]->integer > PG_INT32_MAX ||
+		reply->element[2]->integer < 0 || reply->element[2]->integer > PG_INT32_MAX)
+		goto bad;
+	if (charges && (reply->element[5]->integer < 1 || reply->element[5]->integer > n))
+		goto bad;
 
 	d->allowed = reply->element[0]->integer != 0;
 	d->from_redis = true;
@@ -250,8 +314,15 @@ rl_parse_decision(redisReply *reply, RlDecision *d, int *index,
 	d->remaining = (int32) reply->element[2]->integer;
 	d->reset_ms = reply->element[3]->integer;
 	d->retry_after_ms = reply->element[4]->integer;
-	if (index)
+	if (charges)
+	{
 		*index = (int) reply->element[5]->integer - 1;
+		for (i = 0; i < (size_t) n; i++)
+			charges[i].stamp_us = reply->element[6 + i]->integer;
+		d->stamp_us = charges[*index].stamp_us;
+	}
+	else
+		d->stamp_us = reply->element[5]->integer;
 	freeReplyObject(reply);
 	return true;
 
@@ -268,20 +339,23 @@ bad:
 /*
  * Decides n charges (a limit, a key and a cost each; cost < 0 gives back) in
  * one script call: applied to all or to none. Fills d with the most
- * restrictive result and *index with its charge. False, with failure filled
- * in, when Redis gave no decision.
+ * restrictive result and *index with its charge, and remembers the charges
+ * for a refund on abort (by_guard: made by a guard). False, with failure
+ * filled in, when Redis gave no decision.
  */
 bool
-rl_decide_many(const RlCharge *charges, int n, RlDecision *d, int *index,
-			   RlFailure *failure)
+rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
+			   int *index, RlFailure *failure)
 {
-	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 1 + 5 * n;
+	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 2 + 5 * n;
 	const char **argv = palloc(sizeof(char *) * argc);
 	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
 	char	   *numbers = palloc(n * 4 * 24 + 24);
 	char	   *num = numbers;
 	char		now_s[24];
+	const char *scopes = rl_refund_scopes(by_guard);
 	redisReply *reply;
+	bool		ok;
 	int			i = RL_SCRIPT_ARGV_RESERVED;
 	int			j;
 
@@ -295,6 +369,8 @@ rl_decide_many(const RlCharge *charges, int n, RlDecision *d, int *index,
 	}
 	argv[i] = now_s;
 	argvlen[i++] = rl_clock_arg(now_s);
+	argv[i] = scopes;
+	argvlen[i++] = strlen(scopes);
 	for (j = 0; j < n; j++)
 	{
 		const RlLimit *limit = charges[j].limit;
@@ -320,25 +396,35 @@ rl_decide_many(const RlCharge *charges, int n, RlDecision *d, int *index,
 	pfree(argv);
 	pfree(argvlen);
 	pfree(numbers);
-	return reply != NULL && rl_parse_decision(reply, d, index, failure);
+	ok = reply != NULL && rl_parse_decision(reply, d, charges, n, index, failure);
+	if (ok && d->allowed)
+		for (j = 0; j < n; j++)
+			rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
+							   charges[j].stamp_us, by_guard);
+	return ok;
 }
 
 /*
- * Runs limit's script for identity (key suffix: a policy name, or NULL) and
- * fills d; cost < 0 gives units back. Applies on_error when Redis fails.
+ * Runs limit's script for identity and fills d; cost < 0 gives units back.
+ * The key is the policy's (policy not NULL) or the explicit limit's. An
+ * allowed charge is remembered for a refund on abort (by_guard: made by a
+ * guard). Applies on_error when Redis fails.
  */
 void
-rl_decide_limit(const RlLimit *limit, text *identity, const char *suffix,
-				int32 cost, RlDecision *d)
+rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
+				int32 cost, bool by_guard, RlDecision *d)
 {
-	const char *argv[10];
-	size_t		argvlen[10];
+	const char *argv[11];
+	size_t		argvlen[11];
 	char		lim_s[16],
 				window_s[24],
 				cost_s[16],
 				burst_s[16],
-				now_s[24];
-	StringInfo	key = rl_build_key(limit->algorithm->name, identity, suffix);
+				now_s[24],
+				suffix[64];
+	StringInfo	key = rl_build_key(limit->algorithm->name, identity,
+								   policy ? policy : rl_limit_suffix(limit, suffix));
+	const char *scopes = cost > 0 ? rl_refund_scopes(by_guard) : "";
 	redisReply *reply;
 	RlFailure	failure;
 
@@ -358,12 +444,19 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *suffix,
 	argvlen[8] = pg_ltoa(limit->burst, burst_s);
 	argv[9] = now_s;
 	argvlen[9] = rl_clock_arg(now_s);
+	argv[10] = scopes;
+	argvlen[10] = strlen(scopes);
 
-	reply = rl_run_script(limit->algorithm->script, 10, argv, argvlen,
+	reply = rl_run_script(limit->algorithm->script, 11, argv, argvlen,
 						  &failure);
-	if (reply == NULL || !rl_parse_decision(reply, d, NULL, &failure))
+	if (reply == NULL || !rl_parse_decision(reply, d, NULL, 0, NULL, &failure))
+	{
 		rl_apply_on_error(&failure, limit->burst > 0 ? limit->burst : limit->lim,
 						  cost, d);
+		return;
+	}
+	if (d->allowed && cost > 0)
+		rl_remember_charge(limit, key, cost, d->stamp_us, by_guard);
 }
 
 /* Returns d as an rl_result datum. */
@@ -422,11 +515,7 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 	rl_check_limit(&limit);
 	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
 
-	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, d);
-	/* the key is built again only when a refund may need it */
-	if (!refund && d->allowed && d->from_redis && rl_refund_wanted(false))
-		rl_remember_charge(&limit, rl_build_key(limit.algorithm->name, identity, NULL),
-						   cost, false);
+	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, false, d);
 }
 
 /*
@@ -497,40 +586,122 @@ rl_copy_key(StringInfo key)
 	return copy;
 }
 
+/* Appends s (len bytes) to buf with the glob characters of SCAN escaped. */
+static void
+rl_append_glob_escaped(StringInfo buf, const char *s, int len)
+{
+	int			i;
+
+	for (i = 0; i < len; i++)
+	{
+		if (strchr("*?[]\\", s[i]) != NULL)
+			appendStringInfoChar(buf, '\\');
+		appendStringInfoChar(buf, s[i]);
+	}
+}
+
+/*
+ * Sends one SCAN step for pattern from cursor and DELetes the keys it
+ * returns; returns the next cursor ("0" when done) in cursor.
+ */
+static void
+rl_reset_step(StringInfo pattern, char *cursor, size_t cursorsize)
+{
+	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
+	size_t		argvlen[6] = {4, strlen(cursor), 5, pattern->len, 5, 4};
+	RlFailure	failure;
+	redisReply *reply = rl_command(6, argv, argvlen, &failure);
+	redisReply *keys;
+	const char **del;
+	size_t	   *dellen;
+	size_t		i;
+
+	if (reply == NULL)
+		rl_raise(&failure);
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(reply, &failure);
+		rl_raise(&failure);
+	}
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
+		reply->element[0]->type != REDIS_REPLY_STRING ||
+		reply->element[0]->len >= cursorsize ||
+		reply->element[1]->type != REDIS_REPLY_ARRAY)
+	{
+		freeReplyObject(reply);
+		ereport(ERROR,
+				(errcode(ERRCODE_PROTOCOL_VIOLATION),
+				 errmsg("unexpected reply to SCAN from Redis at %s",
+						rl_server_name())));
+	}
+	keys = reply->element[1];
+	memcpy(cursor, reply->element[0]->str, reply->element[0]->len);
+	cursor[reply->element[0]->len] = '\0';
+	if (keys->elements > 0)
+	{
+		del = palloc(sizeof(char *) * (keys->elements + 1));
+		dellen = palloc(sizeof(size_t) * (keys->elements + 1));
+		del[0] = "DEL";
+		dellen[0] = 3;
+		for (i = 0; i < keys->elements; i++)
+		{
+			if (keys->element[i]->type != REDIS_REPLY_STRING)
+			{
+				freeReplyObject(reply);
+				ereport(ERROR,
+						(errcode(ERRCODE_PROTOCOL_VIOLATION),
+						 errmsg("unexpected reply to SCAN from Redis at %s",
+								rl_server_name())));
+			}
+			del[i + 1] = keys->element[i]->str;
+			dellen[i + 1] = keys->element[i]->len;
+		}
+		PG_TRY();
+		{
+			rl_admin_command(keys->elements + 1, del, dellen);
+		}
+		PG_FINALLY();
+		{
+			freeReplyObject(reply);
+		}
+		PG_END_TRY();
+		pfree(del);
+		pfree(dellen);
+		return;
+	}
+	freeReplyObject(reply);
+}
+
 PG_FUNCTION_INFO_V1(rl_reset);
 
 /*
- * rl_reset(identity): deletes the identity's state of every algorithm, of
- * every named policy and of its concurrency slots.
+ * rl_reset(identity): deletes every key of the identity under
+ * rl_redis.key_prefix: the state of every algorithm, explicit limit and
+ * policy (also of policies deleted since) and its concurrency slots. It
+ * walks the key space with SCAN, so it takes longer on a large Redis.
  */
 Datum
 rl_reset(PG_FUNCTION_ARGS)
 {
 	text	   *identity = rl_get_identity(fcinfo, 0);
-	List	   *keys = NIL;
-	const char **argv;
-	size_t	   *argvlen;
-	ListCell   *lc;
-	int			i;
+	StringInfo	key = rl_build_key("", identity, NULL);
+	StringInfoData pattern;
+	char		cursor[32] = "0";
+	int			prefix_len = strlen(rl_key_prefix);
 
-	for (i = 0; i < rl_num_algorithms; i++)
-		keys = lappend(keys, rl_copy_key(rl_build_key(rl_algorithms[i].name, identity, NULL)));
-	keys = lappend(keys, rl_copy_key(rl_build_key("concurrency", identity, NULL)));
-	rl_policy_reset_keys(fcinfo, identity, &keys);
-
-	argv = palloc(sizeof(char *) * (list_length(keys) + 1));
-	argvlen = palloc(sizeof(size_t) * (list_length(keys) + 1));
-	argv[0] = "DEL";
-	argvlen[0] = 3;
-	i = 1;
-	foreach(lc, keys)
+	/* <prefix>*:{<identity>}* with the key's own bytes escaped */
+	initStringInfo(&pattern);
+	rl_append_glob_escaped(&pattern, key->data, prefix_len);
+	appendStringInfoString(&pattern, "*:");
+	rl_append_glob_escaped(&pattern, key->data + prefix_len + 1,
+						   key->len - prefix_len - 1);
+	appendStringInfoChar(&pattern, '*');
+	do
 	{
-		StringInfo	key = (StringInfo) lfirst(lc);
-
-		argv[i] = key->data;
-		argvlen[i++] = key->len;
-	}
-	rl_admin_command(i, argv, argvlen);
+		CHECK_FOR_INTERRUPTS();
+		rl_reset_step(&pattern, cursor, sizeof(cursor));
+	} while (strcmp(cursor, "0") != 0);
+	pfree(pattern.data);
 	PG_RETURN_VOID();
 }
 

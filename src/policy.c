@@ -6,8 +6,11 @@
  * decides with them, on a key of its own:
  *   <key_prefix><algorithm>:{<identity>}:<policy>
  * Policies are read from rl_policy once and cached per backend. A trigger on
- * the table sends a relcache invalidation for it on every change, so every
- * session drops its cache and reads the table again on its next call.
+ * the table sends a relcache invalidation for it on every change. Every
+ * lookup first takes in the invalidations that have arrived, and reads the
+ * table with a fresh snapshot (not the transaction's, which in REPEATABLE
+ * READ may predate the change), so the statement after a change commits uses
+ * the new row in every session, at every isolation level.
  */
 #include "postgres.h"
 
@@ -21,20 +24,16 @@
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/snapmgr.h"
 
 #include "rl_redis.h"
 
 /* rl_policy.name is limited to this many bytes (a CHECK constraint) */
 #define RL_POLICY_NAME_LEN 64
 
-typedef struct RlPolicy
-{
-	char		name[RL_POLICY_NAME_LEN];	/* hash key */
-	RlLimit		limit;
-} RlPolicy;
-
 static HTAB *policy_cache = NULL;
 static bool policy_cache_stale = true;
+static uint64 policy_generation = 0;	/* counts invalidations */
 static Oid	policy_schema = InvalidOid;
 static Oid	policy_relid = InvalidOid;
 
@@ -43,7 +42,10 @@ static void
 rl_policy_invalidate(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == policy_relid)
+	{
 		policy_cache_stale = true;
+		policy_generation++;
+	}
 }
 
 /* Registers the invalidation callback; called once from _PG_init. */
@@ -85,12 +87,17 @@ rl_policy_table(void)
 					quote_identifier(get_namespace_name(policy_schema)));
 }
 
-/* Returns the index of algorithm name in rl_algorithms. */
+/*
+ * Returns the algorithm named name; NULL for "concurrency", which has no
+ * script of its own here (see concurrency.c).
+ */
 static const RlAlgorithm *
 rl_find_algorithm(const char *name)
 {
 	int			i;
 
+	if (strcmp(name, "concurrency") == 0)
+		return NULL;
 	for (i = 0; i < rl_num_algorithms; i++)
 		if (strcmp(rl_algorithms[i].name, name) == 0)
 			return &rl_algorithms[i];
@@ -101,22 +108,69 @@ rl_find_algorithm(const char *name)
 }
 
 /*
+ * Reads the policy named key from rl_policy into found with a fresh
+ * snapshot; false when there is no such row.
+ */
+static bool
+rl_policy_read(text *name, const char *key, RlPolicy *found)
+{
+	Oid			argtypes[1] = {TEXTOID};
+	Datum		args[1];
+	bool		isnull;
+	HeapTuple	tuple;
+	TupleDesc	tupdesc;
+	SPIPlanPtr	plan;
+	char	   *algorithm;
+	Snapshot	snapshot;
+
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	plan = SPI_prepare(psprintf("SELECT algorithm, lim, window_ms, burst FROM %s WHERE name OPERATOR(pg_catalog.=) $1",
+								rl_policy_table()),
+					   1, argtypes);
+	if (plan == NULL)
+		elog(ERROR, "could not prepare the query of rl_policy");
+	args[0] = PointerGetDatum(name);
+	snapshot = RegisterSnapshot(GetLatestSnapshot());
+	if (SPI_execute_snapshot(plan, args, NULL, snapshot, InvalidSnapshot,
+							 true, false, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read rl_policy");
+	UnregisterSnapshot(snapshot);
+	if (SPI_processed == 0)
+	{
+		SPI_finish();
+		return false;
+	}
+
+	tuple = SPI_tuptable->vals[0];
+	tupdesc = SPI_tuptable->tupdesc;
+	memset(found, 0, sizeof(*found));
+	strlcpy(found->name, key, sizeof(found->name));
+	algorithm = SPI_getvalue(tuple, tupdesc, 1);
+	found->limit.algorithm = rl_find_algorithm(algorithm);
+	found->concurrency = found->limit.algorithm == NULL;
+	found->limit.lim = DatumGetInt32(SPI_getbinval(tuple, tupdesc, 2, &isnull));
+	found->limit.window_ms = DatumGetInt64(SPI_getbinval(tuple, tupdesc, 3, &isnull));
+	found->limit.burst = DatumGetInt32(SPI_getbinval(tuple, tupdesc, 4, &isnull));
+	if (isnull)
+		found->limit.burst = 0;
+	SPI_finish();
+	return true;
+}
+
+/*
  * Returns the policy named name (text), from the cache or from rl_policy;
  * raises 42704 when there is none. The result is a copy: the cache may be
  * dropped by the next invalidation.
  */
-static RlPolicy
+RlPolicy
 rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 {
 	char		key[RL_POLICY_NAME_LEN];
 	int			len = VARSIZE_ANY_EXHDR(name);
 	RlPolicy   *entry;
 	RlPolicy	found;
-	Oid			argtypes[1] = {TEXTOID};
-	Datum		args[1];
-	bool		isnull;
-	HeapTuple	tuple;
-	TupleDesc	tupdesc;
+	uint64		generation;
 
 	if (len == 0)
 		ereport(ERROR,
@@ -130,53 +184,54 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 	memcpy(key, VARDATA_ANY(name), len);
 	key[len] = '\0';
 
+	/* a change committed by another session since our last statement */
+	AcceptInvalidationMessages();
 	rl_policy_refresh(fcinfo);
 	entry = hash_search(policy_cache, key, HASH_FIND, NULL);
 	if (entry != NULL)
 		return *entry;
 
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	args[0] = PointerGetDatum(name);
-	if (SPI_execute_with_args(psprintf("SELECT algorithm, lim, window_ms, burst FROM %s WHERE name OPERATOR(pg_catalog.=) $1",
-									   rl_policy_table()),
-							  1, argtypes, args, NULL, true, 1) != SPI_OK_SELECT)
-		elog(ERROR, "could not read rl_policy");
-	if (SPI_processed == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_OBJECT),
-				 errmsg("rate-limit policy \"%s\" does not exist", key),
-				 errhint("Policies are rows of the rl_policy table.")));
+	/*
+	 * Read until no invalidation arrived during the read: one that did may
+	 * belong to a change that the snapshot predates.
+	 */
+	do
+	{
+		generation = policy_generation;
+		if (!rl_policy_read(name, key, &found))
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_OBJECT),
+					 errmsg("rate-limit policy \"%s\" does not exist", key),
+					 errhint("Policies are rows of the rl_policy table.")));
+		AcceptInvalidationMessages();
+	} while (generation != policy_generation);
 
-	tuple = SPI_tuptable->vals[0];
-	tupdesc = SPI_tuptable->tupdesc;
-	memset(&found, 0, sizeof(found));
-	strlcpy(found.name, key, sizeof(found.name));
-	found.limit.algorithm = rl_find_algorithm(SPI_getvalue(tuple, tupdesc, 1));
-	found.limit.lim = DatumGetInt32(SPI_getbinval(tuple, tupdesc, 2, &isnull));
-	found.limit.window_ms = DatumGetInt64(SPI_getbinval(tuple, tupdesc, 3, &isnull));
-	found.limit.burst = DatumGetInt32(SPI_getbinval(tuple, tupdesc, 4, &isnull));
-	if (isnull)
-		found.limit.burst = 0;
-	SPI_finish();
-	rl_check_limit(&found.limit);
-
-	/* an invalidation during the query may have made the cache stale */
+	if (!found.concurrency)
+		rl_check_limit(&found.limit);
 	rl_policy_refresh(fcinfo);
 	entry = hash_search(policy_cache, key, HASH_ENTER, NULL);
 	*entry = found;
 	return found;
 }
 
-/* Returns the limit of the policy named name; raises 42704 when there is none. */
+/*
+ * Returns the limit of the rate policy named name (for guards); raises 42704
+ * when there is none and 22023 for a concurrency policy.
+ */
 RlLimit
 rl_policy_find(FunctionCallInfo fcinfo, const char *name)
 {
-	return rl_policy_lookup(fcinfo, cstring_to_text(name)).limit;
+	RlPolicy	policy = rl_policy_lookup(fcinfo, cstring_to_text(name));
+
+	if (policy.concurrency)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("policy \"%s\" is a concurrency limit, not a rate limit", name)));
+	return policy.limit;
 }
 
 /* Returns the policy named by argument argno, which must not be NULL. */
-static RlPolicy
+RlPolicy
 rl_policy_arg(FunctionCallInfo fcinfo, int argno)
 {
 	if (PG_ARGISNULL(argno))
@@ -186,21 +241,31 @@ rl_policy_arg(FunctionCallInfo fcinfo, int argno)
 	return rl_policy_lookup(fcinfo, PG_GETARG_TEXT_PP(argno));
 }
 
+/* Returns the rate policy named by argument argno; 22023 for a concurrency one. */
+static RlPolicy
+rl_rate_policy_arg(FunctionCallInfo fcinfo, int argno)
+{
+	RlPolicy	policy = rl_policy_arg(fcinfo, argno);
+
+	if (policy.concurrency)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("policy \"%s\" is a concurrency limit, not a rate limit",
+						policy.name),
+				 errhint("Take its slots with rl_acquire().")));
+	return policy;
+}
+
 /* rl_check(policy, identity, cost) and friends: one policy's decision. */
 static void
 rl_check_policy(FunctionCallInfo fcinfo, bool refund, RlDecision *d)
 {
-	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
+	RlPolicy	policy = rl_rate_policy_arg(fcinfo, 0);
 	text	   *identity = rl_get_identity(fcinfo, 1);
 	int32		cost = rl_get_cost(fcinfo, 2, refund ? "amount" : "cost");
 
 	rl_decide_limit(&policy.limit, identity, policy.name,
-					refund ? -cost : cost, d);
-	if (!refund && d->allowed && d->from_redis && rl_refund_wanted(false))
-		rl_remember_charge(&policy.limit,
-						   rl_build_key(policy.limit.algorithm->name, identity,
-										policy.name),
-						   cost, false);
+					refund ? -cost : cost, false, d);
 }
 
 PG_FUNCTION_INFO_V1(rl_check);
@@ -286,6 +351,11 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 					 errmsg("policies must not contain null")));
 		p = rl_policy_lookup(fcinfo, DatumGetTextPP(names[i]));
+		if (p.concurrency)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("policy \"%s\" is a concurrency limit, not a rate limit",
+							p.name)));
 		for (j = 0; j < npolicies; j++)
 			if (strcmp(policies[j].name, p.name) == 0)
 				break;
@@ -301,11 +371,8 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 												  identity, policies[j].name));
 		charges[j].cost = cost;
 	}
-	if (!rl_decide_many(charges, npolicies, d, &worst, &failure))
+	if (!rl_decide_many(charges, npolicies, false, d, &worst, &failure))
 		rl_apply_on_error(&failure, policies[0].limit.lim, cost, d);
-	else if (d->allowed)
-		for (j = 0; j < npolicies; j++)
-			rl_remember_charge(charges[j].limit, charges[j].key, cost, false);
 }
 
 PG_FUNCTION_INFO_V1(rl_check_all);
@@ -330,38 +397,6 @@ rl_allow_all(PG_FUNCTION_ARGS)
 
 	rl_check_policies(fcinfo, &d);
 	PG_RETURN_BOOL(d.allowed);
-}
-
-/*
- * Appends to *keys the identity's key of every policy in rl_policy, for
- * rl_reset. Reads the table directly, so that policies not cached yet count.
- */
-void
-rl_policy_reset_keys(FunctionCallInfo fcinfo, text *identity, List **keys)
-{
-	MemoryContext caller = CurrentMemoryContext;
-	uint64		i;
-
-	rl_policy_refresh(fcinfo);
-	if (!OidIsValid(policy_relid))
-		return;					/* an extension version without policies */
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	if (SPI_execute(psprintf("SELECT name, algorithm FROM %s", rl_policy_table()),
-					true, 0) != SPI_OK_SELECT)
-		elog(ERROR, "could not read rl_policy");
-	for (i = 0; i < SPI_processed; i++)
-	{
-		HeapTuple	tuple = SPI_tuptable->vals[i];
-		TupleDesc	tupdesc = SPI_tuptable->tupdesc;
-		const RlAlgorithm *algorithm = rl_find_algorithm(SPI_getvalue(tuple, tupdesc, 2));
-		MemoryContext old = MemoryContextSwitchTo(caller);
-
-		*keys = lappend(*keys, rl_copy_key(rl_build_key(algorithm->name, identity,
-														SPI_getvalue(tuple, tupdesc, 1))));
-		MemoryContextSwitchTo(old);
-	}
-	SPI_finish();
 }
 
 PG_FUNCTION_INFO_V1(rl_policy_changed);

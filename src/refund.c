@@ -1,115 +1,366 @@
 /*
  * refund.c
  *	  Gives back, when a transaction or subtransaction aborts, the units that
- *	  were taken in it.
+ *	  were taken in it and still count.
  *
  * rl_redis.refund_on_abort says whose units: "guards" (the default: the
  * units taken by rl_guard and rl_guard_statement), "all" (also the explicit
- * decision functions and rl_check/rl_check_all) or "off". Every charge is
- * remembered with the subtransaction that made it; an aborting
- * subtransaction gives back its own charges (and those of its committed
- * children), an aborting transaction all of them, in one script call. A
- * commit forgets them.
+ * decision functions and rl_check/rl_check_all) or "off".
+ *
+ * Every (sub)transaction that charges is a refund scope with an id unique
+ * across servers. A charge is decided with the ids of its scope and of every
+ * enclosing one; the token bucket, GCRA and the sliding log record in Redis
+ * what each scope took (see lua/common.lua), while for the fixed window and
+ * the sliding counter it is enough to know how many units were taken in
+ * which window. Here each scope keeps one entry per key it charged (a hash
+ * table in a memory context of its own): the bookkeeping costs O(distinct
+ * keys), not O(rows). A committed subtransaction merges its entries into its
+ * parent's; an aborted one gives back all of its keys in one script call,
+ * queued on the transport, which sends it within a fixed budget at the end
+ * of the (sub)transaction and otherwise before the session's next command.
+ * A commit forgets everything.
  */
 #include "postgres.h"
 
 #include "access/xact.h"
+#include "common/hashfn.h"
+#include "common/pg_prng.h"
+#include "miscadmin.h"
+#include "utils/builtins.h"
+#include "utils/hsearch.h"
 #include "utils/memutils.h"
 
 #include "rl_redis.h"
 
-/* One charge that an abort gives back. */
-typedef struct RlTaken
+/* The hash key of a pending refund: a Redis key's bytes. */
+typedef struct RlKeyRef
 {
-	SubTransactionId subid;
-	RlLimit		limit;
-	StringInfo	key;
-	int32		cost;
-} RlTaken;
+	const char *data;
+	int			len;
+} RlKeyRef;
 
-/* of RlTaken *, in TopTransactionContext; NIL outside a transaction */
-static List *taken = NIL;
+/* What a scope took from one key. */
+typedef struct RlPending
+{
+	RlKeyRef	key;			/* hash key; data in the scope's context */
+	RlLimit		limit;
+	int64		window;			/* number of the window of the newest charge */
+	int64		units;			/* units taken in that window */
+	int64		prev;			/* units taken in the window before it */
+} RlPending;
+
+/* One refund scope: a transaction or subtransaction that charged. */
+typedef struct RlScope
+{
+	int			nestlevel;		/* GetCurrentTransactionNestLevel() */
+	char		id[40];
+	MemoryContext cxt;
+	HTAB	   *keys;			/* of RlPending; NULL until the first charge */
+	struct RlScope *parent;
+} RlScope;
+
+/* innermost scope of the current transaction; its memory is in scope->cxt */
+static RlScope *innermost = NULL;
+static uint64 scope_counter = 0;
+static uint32 backend_tag = 0;
+
+/* the scopes argument of the last call, "id1,id2,..." */
+static StringInfoData scopes_arg;
 
 /* True when refund_on_abort covers charges made by a guard (or not). */
-bool
+static bool
 rl_refund_wanted(bool by_guard)
 {
 	return rl_refund_on_abort == RL_REFUND_ALL ||
 		(by_guard && rl_refund_on_abort == RL_REFUND_GUARDS);
 }
 
-/*
- * Remembers that cost units were taken from key under limit in the current
- * subtransaction, when refund_on_abort covers this kind of call.
- */
-void
-rl_remember_charge(const RlLimit *limit, StringInfo key, int32 cost,
-				   bool by_guard)
+/* dynahash support for RlKeyRef keys */
+static uint32
+rl_keyref_hash(const void *key, Size keysize)
 {
-	MemoryContext old;
-	RlTaken    *t;
+	const RlKeyRef *k = (const RlKeyRef *) key;
 
-	if (cost <= 0 || !rl_refund_wanted(by_guard))
+	return hash_bytes((const unsigned char *) k->data, k->len);
+}
+
+static int
+rl_keyref_match(const void *key1, const void *key2, Size keysize)
+{
+	const RlKeyRef *a = (const RlKeyRef *) key1;
+	const RlKeyRef *b = (const RlKeyRef *) key2;
+
+	return a->len == b->len && memcmp(a->data, b->data, a->len) == 0 ? 0 : 1;
+}
+
+/* Opens a scope for the current nesting level inside parent. */
+static RlScope *
+rl_scope_open(int nestlevel, RlScope *parent)
+{
+	MemoryContext cxt = AllocSetContextCreate(TopTransactionContext,
+											  "rl_redis refund scope",
+											  ALLOCSET_SMALL_SIZES);
+	RlScope    *scope = MemoryContextAllocZero(cxt, sizeof(RlScope));
+
+	if (backend_tag == 0)
+		backend_tag = pg_prng_uint32(&pg_global_prng_state) | 1;
+	scope->nestlevel = nestlevel;
+	scope->cxt = cxt;
+	scope->parent = parent;
+	snprintf(scope->id, sizeof(scope->id), "%x.%x.%llx",
+			 backend_tag, (unsigned int) MyProcPid,
+			 (unsigned long long) ++scope_counter);
+	return scope;
+}
+
+/* Makes sure every nesting level up to the current one has a scope. */
+static void
+rl_scopes_ensure(void)
+{
+	int			level = GetCurrentTransactionNestLevel();
+	int			want;
+
+	if (innermost != NULL && innermost->nestlevel == level)
 		return;
-
-	old = MemoryContextSwitchTo(TopTransactionContext);
-	t = palloc(sizeof(RlTaken));
-	t->subid = GetCurrentSubTransactionId();
-	t->limit = *limit;
-	t->key = rl_copy_key(key);
-	t->cost = cost;
-	taken = lappend(taken, t);
-	MemoryContextSwitchTo(old);
+	/* the levels missing between the innermost scope and the current one */
+	for (want = innermost ? innermost->nestlevel + 1 : 1; want <= level; want++)
+		innermost = rl_scope_open(want, innermost);
 }
 
 /*
- * Gives back the remembered charges of subtransaction subid, or all of them
- * when subid is InvalidSubTransactionId, in one script call, and forgets
- * them. Never raises: a refund that fails is logged.
+ * Returns the refund scopes argument of a charge that refund_on_abort
+ * covers: the ids of the current scope and every enclosing one, outermost
+ * first, joined with ','; "" when the charge is not to be refunded.
+ */
+const char *
+rl_refund_scopes(bool by_guard)
+{
+	RlScope    *s;
+	int			n = 0;
+	const char *ids[64];
+
+	if (!rl_refund_wanted(by_guard) || !IsTransactionState())
+		return "";
+	rl_scopes_ensure();
+	if (scopes_arg.data == NULL)
+	{
+		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
+
+		initStringInfo(&scopes_arg);
+		MemoryContextSwitchTo(old);
+	}
+	resetStringInfo(&scopes_arg);
+	/* the innermost 64 levels at most: deeper ones then give back nothing */
+	for (s = innermost; s != NULL && n < lengthof(ids); s = s->parent)
+		ids[n++] = s->id;
+	while (n-- > 0)
+	{
+		appendStringInfoString(&scopes_arg, ids[n]);
+		if (n > 0)
+			appendStringInfoChar(&scopes_arg, ',');
+	}
+	return scopes_arg.data;
+}
+
+/* Adds units taken in window number window to a pending entry. */
+static void
+rl_pending_add(RlPending *p, int64 window, int64 units, int64 prev)
+{
+	if (window == p->window)
+	{
+		p->units += units;
+		p->prev += prev;
+	}
+	else if (window == p->window + 1)
+	{
+		p->prev = p->units + prev;
+		p->units = units;
+		p->window = window;
+	}
+	else if (window > p->window)
+	{
+		p->prev = prev;
+		p->units = units;
+		p->window = window;
+	}
+	else if (window == p->window - 1)
+		p->prev += units;
+	/* older than that: nothing of it can be given back any more */
+}
+
+/* Finds or makes scope's entry for key, with limit. */
+static RlPending *
+rl_pending_entry(RlScope *scope, const char *key, int keylen,
+				 const RlLimit *limit)
+{
+	RlKeyRef	ref = {key, keylen};
+	RlPending  *p;
+	bool		found;
+
+	if (scope->keys == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(RlKeyRef);
+		ctl.entrysize = sizeof(RlPending);
+		ctl.hash = rl_keyref_hash;
+		ctl.match = rl_keyref_match;
+		ctl.hcxt = scope->cxt;
+		scope->keys = hash_create("rl_redis pending refunds", 16, &ctl,
+								  HASH_ELEM | HASH_FUNCTION | HASH_COMPARE |
+								  HASH_CONTEXT);
+	}
+	p = hash_search(scope->keys, &ref, HASH_ENTER, &found);
+	if (!found)
+	{
+		char	   *copy = MemoryContextAlloc(scope->cxt, keylen);
+
+		memcpy(copy, key, keylen);
+		p->key.data = copy;
+		p->key.len = keylen;
+		p->window = PG_INT64_MIN / 2;
+		p->units = 0;
+		p->prev = 0;
+	}
+	p->limit = *limit;
+	return p;
+}
+
+/*
+ * Remembers that cost units were taken from key under limit on the clock
+ * stamp_us (Redis's), in the current scope, when refund_on_abort covers
+ * this kind of call.
+ */
+void
+rl_remember_charge(const RlLimit *limit, StringInfo key, int32 cost,
+				   int64 stamp_us, bool by_guard)
+{
+	RlPending  *p;
+
+	if (cost <= 0 || !rl_refund_wanted(by_guard) || !IsTransactionState())
+		return;
+	rl_scopes_ensure();
+	p = rl_pending_entry(innermost, key->data, key->len, limit);
+	rl_pending_add(p, stamp_us / (limit->window_ms * 1000), cost, 0);
+}
+
+/*
+ * Queues the refund of everything scope took, in one script call, with the
+ * ids of its enclosing scopes (whose records in Redis shrink by what it
+ * gives back).
  */
 static void
-rl_give_back(SubTransactionId subid)
+rl_scope_give_back(RlScope *scope)
 {
-	RlCharge   *charges;
-	List	   *kept = NIL;
-	ListCell   *lc;
-	int			n = 0;
-	RlDecision	d;
-	int			index;
-	RlFailure	failure;
+	HASH_SEQ_STATUS seq;
+	RlPending  *p;
+	long		n;
+	int			argc;
+	const char **argv;
+	size_t	   *argvlen;
+	char	   *numbers;
+	char	   *num;
+	char		now_s[24];
+	StringInfoData parents;
+	RlScope    *s;
+	MemoryContext old;
+	int			i;
 
-	if (taken == NIL)
+	if (scope->keys == NULL || (n = hash_get_num_entries(scope->keys)) == 0)
 		return;
-	charges = palloc(sizeof(RlCharge) * list_length(taken));
-	foreach(lc, taken)
+	old = MemoryContextSwitchTo(scope->cxt);
+
+	argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 3 + 7 * n;
+	argv = MemoryContextAlloc(scope->cxt, sizeof(char *) * argc);
+	argvlen = MemoryContextAlloc(scope->cxt, sizeof(size_t) * argc);
+	num = numbers = MemoryContextAlloc(scope->cxt, n * 6 * 24 + 24);
+	initStringInfo(&parents);
+	for (s = scope->parent; s != NULL; s = s->parent)
 	{
-		RlTaken    *t = (RlTaken *) lfirst(lc);
-
-		if (subid != InvalidSubTransactionId && t->subid != subid)
-		{
-			MemoryContext old = MemoryContextSwitchTo(TopTransactionContext);
-
-			kept = lappend(kept, t);
-			MemoryContextSwitchTo(old);
-			continue;
-		}
-		charges[n].limit = &t->limit;
-		charges[n].key = t->key;
-		charges[n].cost = -t->cost;
-		n++;
+		if (parents.len > 0)
+			appendStringInfoChar(&parents, ',');
+		appendStringInfoString(&parents, s->id);
 	}
-	/* after an interrupted wait on Redis, do not wait on it again */
-	if (n > 0 && rl_transport_interrupted())
-		ereport(WARNING,
-				(errmsg("rate-limit units taken in the aborted transaction were not given back"),
-				 errdetail("A call to Redis at %s was interrupted.", rl_server_name())));
-	else if (n > 0 && !rl_decide_many(charges, n, &d, &index, &failure))
-		ereport(WARNING,
-				(errcode(failure.sqlerrcode),
-				 errmsg_internal("%s", failure.message),
-				 errdetail("Rate-limit units taken in the aborted transaction could not be given back.")));
-	pfree(charges);
-	taken = kept;
+
+	i = RL_SCRIPT_ARGV_RESERVED;
+	argv[i] = num;
+	argvlen[i++] = pg_ltoa((int32) n, num);
+	num += 24;
+	hash_seq_init(&seq, scope->keys);
+	while ((p = hash_seq_search(&seq)) != NULL)
+	{
+		argv[i] = p->key.data;
+		argvlen[i++] = p->key.len;
+	}
+	argv[i] = now_s;
+	argvlen[i++] = rl_clock_arg(now_s);
+	argv[i] = scope->id;
+	argvlen[i++] = strlen(scope->id);
+	argv[i] = parents.data;
+	argvlen[i++] = parents.len;
+	hash_seq_init(&seq, scope->keys);
+	while ((p = hash_seq_search(&seq)) != NULL)
+	{
+		argv[i] = p->limit.algorithm->name;
+		argvlen[i++] = strlen(p->limit.algorithm->name);
+		argv[i] = num;
+		argvlen[i++] = pg_ltoa(p->limit.lim, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_lltoa(p->limit.window_ms, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_ltoa(p->limit.burst, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_lltoa(p->window, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_lltoa(p->units, num);
+		num += 24;
+		argv[i] = num;
+		argvlen[i++] = pg_lltoa(p->prev, num);
+		num += 24;
+	}
+	Assert(i == argc);
+
+	/* sent as EVAL: it may reach Redis after a restart flushed the scripts */
+	argv[0] = "EVAL";
+	argvlen[0] = 4;
+	argv[1] = rl_script_refund.body;
+	argvlen[1] = strlen(rl_script_refund.body);
+	rl_defer_command(argc, argv, argvlen);
+	MemoryContextSwitchTo(old);
+}
+
+/* Hands scope's entries to its parent (a subtransaction committed). */
+static void
+rl_scope_merge_up(RlScope *scope)
+{
+	HASH_SEQ_STATUS seq;
+	RlPending  *p;
+
+	if (scope->keys == NULL)
+		return;
+	hash_seq_init(&seq, scope->keys);
+	while ((p = hash_seq_search(&seq)) != NULL)
+	{
+		RlPending  *q = rl_pending_entry(scope->parent, p->key.data,
+										 p->key.len, &p->limit);
+
+		rl_pending_add(q, p->window - 1, p->prev, 0);
+		rl_pending_add(q, p->window, p->units, 0);
+	}
+}
+
+/* Closes the innermost scope (its memory goes with it). */
+static void
+rl_scope_close(void)
+{
+	RlScope    *scope = innermost;
+
+	innermost = scope->parent;
+	MemoryContextDelete(scope->cxt);
 }
 
 /* Gives back or forgets the charges at the end of a transaction. */
@@ -120,13 +371,28 @@ rl_refund_xact_callback(XactEvent event, void *arg)
 	{
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_ABORT:
-			rl_give_back(InvalidSubTransactionId);
-			taken = NIL;
+			/* never raise here: a refund that cannot be queued is lost */
+			PG_TRY();
+			{
+				while (innermost != NULL)
+				{
+					rl_scope_give_back(innermost);
+					innermost = innermost->parent;
+				}
+			}
+			PG_CATCH();
+			{
+				FlushErrorState();
+				ereport(WARNING,
+						(errmsg("rate-limit units taken in the aborted transaction could not be given back")));
+			}
+			PG_END_TRY();
+			innermost = NULL;	/* memory goes with TopTransactionContext */
 			break;
 		case XACT_EVENT_COMMIT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PREPARE:
-			taken = NIL;
+			innermost = NULL;
 			break;
 		default:
 			break;
@@ -135,25 +401,34 @@ rl_refund_xact_callback(XactEvent event, void *arg)
 
 /*
  * Gives back the charges of an aborted subtransaction; hands those of a
- * committed one to its parent.
+ * committed one to its parent. Costs O(the subtransaction's own keys).
  */
 static void
 rl_refund_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 						   SubTransactionId parentSubid, void *arg)
 {
-	ListCell   *lc;
-
+	if (innermost == NULL ||
+		innermost->nestlevel != GetCurrentTransactionNestLevel())
+		return;
 	if (event == SUBXACT_EVENT_ABORT_SUB)
-		rl_give_back(mySubid);
+	{
+		PG_TRY();
+		{
+			rl_scope_give_back(innermost);
+		}
+		PG_CATCH();
+		{
+			FlushErrorState();
+			ereport(WARNING,
+					(errmsg("rate-limit units taken in the aborted subtransaction could not be given back")));
+		}
+		PG_END_TRY();
+		rl_scope_close();
+	}
 	else if (event == SUBXACT_EVENT_COMMIT_SUB)
 	{
-		foreach(lc, taken)
-		{
-			RlTaken    *t = (RlTaken *) lfirst(lc);
-
-			if (t->subid == mySubid)
-				t->subid = parentSubid;
-		}
+		rl_scope_merge_up(innermost);
+		rl_scope_close();
 	}
 }
 

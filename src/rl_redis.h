@@ -52,6 +52,8 @@ extern char *rl_key_prefix;
 extern int	rl_on_error;
 extern int	rl_refund_on_abort;
 extern double rl_test_clock_ms;
+extern int	rl_max_lease;
+extern int	rl_sliding_max_lim;
 extern bool rl_tls;
 extern char *rl_tls_ca_file;
 extern char *rl_tls_cert_file;
@@ -60,6 +62,7 @@ extern char *rl_tls_server_name;
 extern bool rl_connection_settings_changed;
 
 extern void rl_define_gucs(void);
+extern bool rl_read_password(char *buf, size_t size, char *err, size_t errsize);
 
 /*
  * Why a Redis call failed, for the caller to raise as an error or to log as
@@ -83,8 +86,9 @@ extern void rl_breaker_reset(void);
 extern void rl_transport_init(void);
 extern redisReply *rl_command(int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
+extern void rl_defer_command(int argc, const char **argv,
+							 const size_t *argvlen);
 extern const char *rl_server_name(void);
-extern bool rl_transport_interrupted(void);
 
 /* scripts (scripts.c) */
 typedef struct RlScript
@@ -99,6 +103,7 @@ extern const RlScript rl_script_token_bucket;
 extern const RlScript rl_script_gcra;
 extern const RlScript rl_script_sliding_counter;
 extern const RlScript rl_script_check_all;
+extern const RlScript rl_script_refund;
 extern const RlScript rl_script_concurrency;
 
 /* argv[0] and argv[1] are left for rl_run_script to fill in */
@@ -126,6 +131,7 @@ typedef struct RlDecision
 	int32		remaining;
 	int64		reset_ms;
 	int64		retry_after_ms;
+	int64		stamp_us;		/* the clock Redis decided on */
 	bool		from_redis;		/* false: rl_redis.on_error decided */
 } RlDecision;
 
@@ -142,6 +148,12 @@ typedef struct RlDecision
  */
 #define RL_MAX_SLIDING_LIM 100000
 
+/*
+ * The latest test clock: 2100-01-01. With it and the 100-year limits every
+ * time the scripts compute stays below 2^53 microseconds.
+ */
+#define RL_MAX_TEST_CLOCK_MS 4102444800000.0
+
 /* The arguments of one limit. */
 typedef struct RlLimit
 {
@@ -153,24 +165,29 @@ typedef struct RlLimit
 
 extern StringInfo rl_build_key(const char *kind, text *identity,
 							   const char *suffix);
+extern const char *rl_limit_suffix(const RlLimit *limit, char *buf);
 extern StringInfo rl_copy_key(StringInfo key);
 extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);
 extern void rl_decide_limit(const RlLimit *limit, text *identity,
-							const char *suffix, int32 cost, RlDecision *d);
+							const char *policy, int32 cost, bool by_guard,
+							RlDecision *d);
+
 /* One limit to charge in a several-limits call. */
 typedef struct RlCharge
 {
 	const RlLimit *limit;
 	StringInfo	key;
 	int32		cost;			/* < 0 gives units back */
+	int64		stamp_us;		/* filled in: the clock it was decided on */
 } RlCharge;
 
-extern bool rl_parse_decision(redisReply *reply, RlDecision *d, int *index,
+extern bool rl_parse_decision(redisReply *reply, RlDecision *d,
+							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
-extern bool rl_decide_many(const RlCharge *charges, int n, RlDecision *d,
-						   int *index, RlFailure *failure);
+extern bool rl_decide_many(RlCharge *charges, int n, bool by_guard,
+						   RlDecision *d, int *index, RlFailure *failure);
 extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
 extern void rl_raise(const RlFailure *failure);
@@ -179,16 +196,23 @@ extern size_t rl_clock_arg(char *buf);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
 
 /* named policies (policy.c) */
+typedef struct RlPolicy
+{
+	char		name[64];		/* hash key; rl_policy.name is shorter */
+	RlLimit		limit;
+	bool		concurrency;	/* a concurrency limit: lim slots, lease window_ms */
+} RlPolicy;
+
 extern void rl_policy_init(void);
+extern RlPolicy rl_policy_lookup(FunctionCallInfo fcinfo, text *name);
+extern RlPolicy rl_policy_arg(FunctionCallInfo fcinfo, int argno);
 extern RlLimit rl_policy_find(FunctionCallInfo fcinfo, const char *name);
-extern void rl_policy_reset_keys(FunctionCallInfo fcinfo, text *identity,
-								 List **keys);
 
 /* refunds on abort (refund.c) */
 extern void rl_refund_init(void);
-extern bool rl_refund_wanted(bool by_guard);
+extern const char *rl_refund_scopes(bool by_guard);
 extern void rl_remember_charge(const RlLimit *limit, StringInfo key,
-							   int32 cost, bool by_guard);
+							   int32 cost, int64 stamp_us, bool by_guard);
 
 /* concurrency limits (concurrency.c) */
 extern void rl_concurrency_init(void);

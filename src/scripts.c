@@ -19,6 +19,7 @@ const RlScript rl_script_token_bucket = {RL_LUA_TOKEN_BUCKET, RL_LUA_TOKEN_BUCKE
 const RlScript rl_script_gcra = {RL_LUA_GCRA, RL_LUA_GCRA_SHA};
 const RlScript rl_script_sliding_counter = {RL_LUA_SLIDING_COUNTER, RL_LUA_SLIDING_COUNTER_SHA};
 const RlScript rl_script_check_all = {RL_LUA_CHECK_ALL, RL_LUA_CHECK_ALL_SHA};
+const RlScript rl_script_refund = {RL_LUA_REFUND, RL_LUA_REFUND_SHA};
 const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA};
 
 /*

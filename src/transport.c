@@ -13,6 +13,15 @@
  * call (a reply might still be in flight), and after a connection setting
  * changed; the next call opens a new one.
  *
+ * Work that belongs to the end of a (sub)transaction (slot releases,
+ * refunds) is queued with rl_defer_command. The transaction callback here,
+ * which runs after the other modules' ones, writes the queue to an open
+ * connection within a fixed budget and does not wait for the replies, which
+ * the next command reads first. It never connects (no host-name lookup at
+ * commit), never raises, and whatever it could not write stays queued for
+ * the session's next command. A command written whole is never sent again,
+ * so nothing is applied twice.
+ *
  * With rl_redis.tls, the bytes go through OpenSSL on the same non-blocking
  * socket (rl_io_read/rl_io_write): a TLS handshake, read or write that has
  * to wait says for what, and waits in rl_wait like the rest. Nothing outside
@@ -56,8 +65,10 @@ typedef struct RlConnection
 	redisReader *reader;
 	SSL_CTX    *ssl_ctx;		/* with rl_redis.tls */
 	SSL		   *ssl;
-	bool		ready;			/* connected and idle: safe to send */
-	bool		interrupted;	/* an interrupt ended a wait on this server */
+	bool		ready;			/* connected, nothing unread but the pending
+								 * replies: safe to send */
+	int			pending_replies;	/* replies of queued commands sent at a
+									 * transaction end, not read yet */
 	char		server[300];	/* "host:port" or the socket path */
 } RlConnection;
 
@@ -65,6 +76,25 @@ static RlConnection conn = {PGINVALID_SOCKET};
 
 /* reused for every command, so that a call allocates nothing */
 static StringInfoData out;
+
+/* a reused buffer larger than this is given back after use */
+#define RL_KEEP_BUFFER (64 * 1024)
+
+/*
+ * Commands queued for the end of a transaction: encoded one after another in
+ * queue, the end offset of each in queue_ends. At most RL_MAX_QUEUE bytes;
+ * more is dropped with a warning.
+ */
+static StringInfoData queue;
+static int *queue_ends = NULL;
+static int	queue_count = 0;
+static int	queue_max = 0;
+static bool queue_dropped = false;
+
+#define RL_MAX_QUEUE (16 * 1024 * 1024)
+
+/* the most a transaction end waits on Redis */
+#define RL_XACT_END_BUDGET_MS 1000
 
 /*
  * The address list of a connect in progress: a cancel while connecting
@@ -99,39 +129,7 @@ rl_disconnect(void)
 		redisReaderFree(conn.reader);
 	conn.reader = NULL;
 	conn.ready = false;
-}
-
-/* Drops a connection whose command was interrupted by an error. */
-static void
-rl_xact_callback(XactEvent event, void *arg)
-{
-	if ((event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT) &&
-		conn.sock != PGINVALID_SOCKET && !conn.ready)
-		rl_disconnect();
-	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT ||
-		event == XACT_EVENT_COMMIT || event == XACT_EVENT_PARALLEL_COMMIT ||
-		event == XACT_EVENT_PREPARE)
-		conn.interrupted = false;
-}
-
-/*
- * Registers the transaction callback; called once from _PG_init, before the
- * other modules register theirs, so that it runs after them.
- */
-void
-rl_transport_init(void)
-{
-	RegisterXactCallback(rl_xact_callback, NULL);
-}
-
-/*
- * True when a cancel or timeout ended a wait on Redis in the current
- * transaction; the clean-up at its end then does not wait on Redis again.
- */
-bool
-rl_transport_interrupted(void)
-{
-	return conn.interrupted;
+	conn.pending_replies = 0;
 }
 
 /* The server the current (or next) connection goes to, for messages. */
@@ -205,9 +203,7 @@ rl_wait(uint32 events, TimestampTz deadline)
 		if (event.events & WL_LATCH_SET)
 		{
 			ResetLatch(MyLatch);
-			conn.interrupted = true;	/* stays set if this raises */
 			CHECK_FOR_INTERRUPTS();
-			conn.interrupted = false;
 		}
 		if (event.events & events)
 			return true;
@@ -279,6 +275,8 @@ rl_io_write(const char *buf, size_t len, uint32 *want, char *errbuf,
 		if (r > 0)
 			return r;
 		n = rl_tls_result(r, want, errbuf, errsize);
+		if (n == 0)
+			snprintf(errbuf, errsize, "the server closed the connection");
 		return n == 0 ? -1 : n;
 	}
 	n = send(conn.sock, buf, len, MSG_NOSIGNAL);
@@ -325,21 +323,25 @@ rl_io_read(char *buf, size_t len, uint32 *want, char *errbuf, size_t errsize)
 	return -1;
 }
 
-/* Sends all of out.data; false (with the failure filled in) on error. */
+/*
+ * Writes len bytes of buf, counting in *done how many went out; false (with
+ * the failure filled in and the connection discarded) on error.
+ */
 static bool
-rl_send_all(TimestampTz deadline, RlFailure *failure)
+rl_write(const char *buf, size_t len, size_t *done, TimestampTz deadline,
+		 RlFailure *failure)
 {
-	size_t		done = 0;
 	char		errbuf[256];
 
-	while (done < (size_t) out.len)
+	*done = 0;
+	while (*done < len)
 	{
 		uint32		want = WL_SOCKET_WRITEABLE;
-		ssize_t		n = rl_io_write(out.data + done, out.len - done, &want,
+		ssize_t		n = rl_io_write(buf + *done, len - *done, &want,
 									errbuf, sizeof(errbuf));
 
 		if (n > 0)
-			done += n;
+			*done += n;
 		else if (n == RL_IO_WAIT)
 		{
 			if (!rl_wait(want, deadline))
@@ -514,24 +516,23 @@ fail:
 	return false;
 }
 
-/* Encodes one command in the Redis protocol (RESP) into out. */
+/* Appends one command, encoded in the Redis protocol (RESP), to buf. */
 static void
-rl_encode(int argc, const char **argv, const size_t *argvlen)
+rl_encode(StringInfo buf, int argc, const char **argv, const size_t *argvlen)
 {
 	char		num[24];
 	int			i;
 
-	resetStringInfo(&out);
-	appendStringInfoChar(&out, '*');
-	appendBinaryStringInfo(&out, num, pg_ulltoa_n((uint64) argc, num));
-	appendBinaryStringInfo(&out, "\r\n", 2);
+	appendStringInfoChar(buf, '*');
+	appendBinaryStringInfo(buf, num, pg_ulltoa_n((uint64) argc, num));
+	appendBinaryStringInfo(buf, "\r\n", 2);
 	for (i = 0; i < argc; i++)
 	{
-		appendStringInfoChar(&out, '$');
-		appendBinaryStringInfo(&out, num, pg_ulltoa_n((uint64) argvlen[i], num));
-		appendBinaryStringInfo(&out, "\r\n", 2);
-		appendBinaryStringInfo(&out, argv[i], argvlen[i]);
-		appendBinaryStringInfo(&out, "\r\n", 2);
+		appendStringInfoChar(buf, '$');
+		appendBinaryStringInfo(buf, num, pg_ulltoa_n((uint64) argvlen[i], num));
+		appendBinaryStringInfo(buf, "\r\n", 2);
+		appendBinaryStringInfo(buf, argv[i], argvlen[i]);
+		appendBinaryStringInfo(buf, "\r\n", 2);
 	}
 }
 
@@ -540,9 +541,10 @@ static redisReply *
 rl_roundtrip(TimestampTz deadline, RlFailure *failure)
 {
 	redisReply *reply;
+	size_t		done;
 
 	conn.ready = false;			/* a reply may be in flight from here on */
-	if (!rl_send_all(deadline, failure))
+	if (!rl_write(out.data, out.len, &done, deadline, failure))
 		return NULL;
 	reply = rl_recv(deadline, failure);
 	if (reply != NULL)
@@ -632,7 +634,8 @@ rl_handshake(const char *what, int argc, const char **argv,
 {
 	redisReply *reply;
 
-	rl_encode(argc, argv, argvlen);
+	resetStringInfo(&out);
+	rl_encode(&out, argc, argv, argvlen);
 	reply = rl_roundtrip(deadline, failure);
 	if (reply == NULL)
 	{
@@ -779,23 +782,36 @@ rl_connect(RlFailure *failure)
 	}
 	conn.ready = true;
 
-	if (rl_password[0] != '\0')
 	{
+		char		password[1024];
+		char		err[256];
 		const char *argv[3];
 		size_t		argvlen[3];
 		int			argc = 0;
+		bool		ok;
 
-		argv[argc] = "AUTH";
-		argvlen[argc++] = 4;
-		if (rl_username[0] != '\0')
+		if (!rl_read_password(password, sizeof(password), err, sizeof(err)))
 		{
-			argv[argc] = rl_username;
-			argvlen[argc++] = strlen(rl_username);
-		}
-		argv[argc] = rl_password;
-		argvlen[argc++] = strlen(rl_password);
-		if (!rl_handshake("AUTH", argc, argv, argvlen, deadline, failure))
+			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					"could not connect to Redis at %s: %s", conn.server, err);
 			return false;
+		}
+		if (password[0] != '\0')
+		{
+			argv[argc] = "AUTH";
+			argvlen[argc++] = 4;
+			if (rl_username[0] != '\0')
+			{
+				argv[argc] = rl_username;
+				argvlen[argc++] = strlen(rl_username);
+			}
+			argv[argc] = password;
+			argvlen[argc++] = strlen(password);
+			ok = rl_handshake("AUTH", argc, argv, argvlen, deadline, failure);
+			explicit_bzero(password, sizeof(password));
+			if (!ok)
+				return false;
+		}
 	}
 	if (rl_database != 0)
 	{
@@ -807,7 +823,6 @@ rl_connect(RlFailure *failure)
 		if (!rl_handshake("SELECT", 2, argv, argvlen, deadline, failure))
 			return false;
 	}
-	conn.interrupted = false;
 	return true;
 }
 
@@ -839,17 +854,199 @@ rl_connection_alive(void)
 }
 
 /*
+ * Writes the queued commands to the open connection before deadline. Those
+ * written whole leave the queue, and their replies are read before the next
+ * command's; false (the connection discarded, the rest kept) on failure.
+ */
+static bool
+rl_send_queue(TimestampTz deadline, RlFailure *failure)
+{
+	size_t		done = 0;
+	bool		ok;
+	int			sent = 0;
+	int			i;
+
+	conn.ready = false;
+	ok = rl_write(queue.data, queue.len, &done, deadline, failure);
+	while (sent < queue_count && (size_t) queue_ends[sent] <= done)
+		sent++;
+	if (sent > 0)
+	{
+		int			cut = queue_ends[sent - 1];
+
+		memmove(queue.data, queue.data + cut, queue.len - cut);
+		queue.len -= cut;
+		queue.data[queue.len] = '\0';
+		for (i = sent; i < queue_count; i++)
+			queue_ends[i - sent] = queue_ends[i] - cut;
+		queue_count -= sent;
+	}
+	if (!ok)
+		return false;
+	conn.ready = true;
+	conn.pending_replies += sent;
+	if (queue_count == 0 && queue.maxlen > RL_KEEP_BUFFER)
+	{
+		pfree(queue.data);
+		queue.data = NULL;
+	}
+	return true;
+}
+
+/*
+ * Reads the replies of the queued commands sent at a transaction end; an
+ * error reply is logged. False (with the failure filled in) when the
+ * connection failed.
+ */
+static bool
+rl_read_pending(TimestampTz deadline, RlFailure *failure)
+{
+	while (conn.pending_replies > 0)
+	{
+		redisReply *reply;
+
+		conn.ready = false;
+		reply = rl_recv(deadline, failure);
+		if (reply == NULL)
+			return false;
+		conn.pending_replies--;
+		conn.ready = true;
+		if (reply->type == REDIS_REPLY_ERROR)
+		{
+			char		text[256];
+
+			snprintf(text, sizeof(text), "%s", reply->str);
+			freeReplyObject(reply);
+			ereport(WARNING,
+					(errcode(ERRCODE_CONNECTION_EXCEPTION),
+					 errmsg("Redis at %s refused a rate-limit command sent at the end of a transaction: %s",
+							conn.server, text),
+					 errdetail("Units taken in a rolled-back transaction may not have been given back.")));
+		}
+		else
+			freeReplyObject(reply);
+	}
+	return true;
+}
+
+/*
+ * Queues a command to be sent at the end of the current (sub)transaction,
+ * or with the session's next command. Raises only when out of memory.
+ */
+void
+rl_defer_command(int argc, const char **argv, const size_t *argvlen)
+{
+	MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
+	int			before;
+
+	if (queue.data == NULL)
+		initStringInfo(&queue);
+	if (queue_count == queue_max)
+	{
+		queue_max = Max(16, queue_max * 2);
+		queue_ends = queue_ends ? repalloc(queue_ends, sizeof(int) * queue_max) :
+			palloc(sizeof(int) * queue_max);
+	}
+	before = queue.len;
+	rl_encode(&queue, argc, argv, argvlen);
+	if (queue.len > RL_MAX_QUEUE)
+	{
+		queue.len = before;
+		queue.data[before] = '\0';
+		queue_dropped = true;
+	}
+	else
+		queue_ends[queue_count++] = queue.len;
+	MemoryContextSwitchTo(old);
+}
+
+/*
+ * At the end of a (sub)transaction: writes the queue to an open connection
+ * within RL_XACT_END_BUDGET_MS (less when command_timeout is smaller).
+ * Interrupts are held here, so the budget is the only bound; nothing here
+ * raises or connects.
+ */
+static void
+rl_flush_queue(void)
+{
+	RlFailure	failure;
+	int			budget = RL_XACT_END_BUDGET_MS;
+
+	if (queue_count == 0 || !conn.ready || conn.sock == PGINVALID_SOCKET)
+		return;
+	if (rl_command_timeout > 0)
+		budget = Min(budget, rl_command_timeout);
+	PG_TRY();
+	{
+		if (!rl_send_queue(rl_deadline(budget), &failure))
+			ereport(WARNING,
+					(errcode(failure.sqlerrcode),
+					 errmsg_internal("%s", failure.message),
+					 errdetail("Rate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.")));
+	}
+	PG_CATCH();
+	{
+		FlushErrorState();
+		rl_disconnect();
+	}
+	PG_END_TRY();
+}
+
+/*
+ * At the end of a transaction: drops a connection whose command was
+ * interrupted by an error (a reply may be in flight), then sends the queue.
+ */
+static void
+rl_xact_callback(XactEvent event, void *arg)
+{
+	if ((event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT) &&
+		conn.sock != PGINVALID_SOCKET && !conn.ready)
+		rl_disconnect();
+	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT ||
+		event == XACT_EVENT_COMMIT || event == XACT_EVENT_PARALLEL_COMMIT ||
+		event == XACT_EVENT_PREPARE)
+		rl_flush_queue();
+}
+
+/* At the end of a subtransaction: the same, for a rolled-back one. */
+static void
+rl_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+					SubTransactionId parentSubid, void *arg)
+{
+	if (event != SUBXACT_EVENT_ABORT_SUB)
+		return;
+	if (conn.sock != PGINVALID_SOCKET && !conn.ready)
+		rl_disconnect();
+	rl_flush_queue();
+}
+
+/*
+ * Registers the transaction callbacks; called once from _PG_init, before
+ * the other modules register theirs, so that they run after them (and send
+ * what those queued).
+ */
+void
+rl_transport_init(void)
+{
+	RegisterXactCallback(rl_xact_callback, NULL);
+	RegisterSubXactCallback(rl_subxact_callback, NULL);
+}
+
+/*
  * Sends one command and returns its reply, which the caller must free with
- * freeReplyObject. Opens the connection when needed. On failure returns NULL
- * with failure filled in; the connection is then already discarded. While
- * the circuit breaker is open, fails at once without touching the network.
- * An interrupt (cancel, statement_timeout) raises its error from inside.
+ * freeReplyObject. Opens the connection when needed, and first sends what
+ * a transaction end left queued and reads what it left unread. On failure
+ * returns NULL with failure filled in; the connection is then already
+ * discarded. While the circuit breaker is open, fails at once without
+ * touching the network. An interrupt (cancel, statement_timeout) raises its
+ * error from inside.
  */
 redisReply *
 rl_command(int argc, const char **argv, const size_t *argvlen,
 		   RlFailure *failure)
 {
-	redisReply *reply;
+	redisReply *reply = NULL;
+	TimestampTz deadline;
 
 	if (out.data == NULL)
 	{
@@ -857,6 +1054,14 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 
 		initStringInfo(&out);
 		MemoryContextSwitchTo(old);
+	}
+	if (queue_dropped)
+	{
+		queue_dropped = false;
+		ereport(WARNING,
+				(errmsg("rate-limit work of a transaction end was dropped: more than %d MB was waiting for Redis",
+						RL_MAX_QUEUE / (1024 * 1024)),
+				 errdetail("Slots end with their lease; units of rolled-back transactions were not given back.")));
 	}
 
 	if (rl_connection_settings_changed)
@@ -868,7 +1073,8 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 	else if (rl_breaker_open(failure))
 		return NULL;
 
-	if (!conn.ready || !rl_connection_alive())
+	/* unread replies make the liveness peek useless; reading them checks */
+	if (!conn.ready || (conn.pending_replies == 0 && !rl_connection_alive()))
 	{
 		if (!rl_connect(failure))
 		{
@@ -877,8 +1083,22 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 		}
 	}
 
-	rl_encode(argc, argv, argvlen);
-	reply = rl_roundtrip(rl_deadline(rl_command_timeout), failure);
+	deadline = rl_deadline(rl_command_timeout);
+	if ((queue_count == 0 || rl_send_queue(deadline, failure)) &&
+		rl_read_pending(deadline, failure))
+	{
+		resetStringInfo(&out);
+		rl_encode(&out, argc, argv, argvlen);
+		reply = rl_roundtrip(deadline, failure);
+		if (out.maxlen > RL_KEEP_BUFFER)
+		{
+			/* a huge command does not keep its buffer for the backend's life */
+			pfree(out.data);
+			out.data = MemoryContextAlloc(TopMemoryContext, 1024);
+			out.maxlen = 1024;
+			resetStringInfo(&out);
+		}
+	}
 	if (reply == NULL)
 		rl_breaker_failed(failure);
 	else

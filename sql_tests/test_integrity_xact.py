@@ -1,0 +1,850 @@
+"""Quota integrity of release 1.3 (issue 8): the trust model, policies that
+are never stale, transaction ends that never hang, slots that follow
+savepoints and interrupted calls, bounded refund bookkeeping, 2PC and the
+sliding-log size limit.
+
+Every test here fails on release 1.2 and passes on a correct 1.3 (see
+/work/notes/spec-1.3.md; the "item" numbers are those of issue 8).
+
+Ordinary roles are real LOGIN roles made per test (the cluster trusts
+127.0.0.1). Tests that SIGSTOP a Redis start their own (redis_factory) and
+point a superuser session at it with SET rl_redis.*; a statement that could
+hang runs in a thread, and when it overruns its bound the Redis is resumed
+before the test fails, so nothing stays blocked.
+
+Timing bounds are generous (the suite runs on small, loaded machines): the
+spec's transaction-end budget is 1 s, the tests allow 3 s.
+"""
+
+import threading
+import time
+import uuid
+
+import psycopg
+import psycopg.errors
+import pytest
+from psycopg import sql
+
+from conftest import new_ident, pg_connect, same_fixed_window, set_gucs, use_redis
+from test_faults import collect_notices, in_sync_call, wait_until_active
+
+HUNDRED_YEARS_MS = 3153600000000
+LEASE_MS = 600000  # long enough that no test can pass by a lease ending
+XACT_END_BOUND_S = 3.0  # budget 1 s
+HUGE_WINDOW_MS = 10**12  # a fixed window that does not roll over (next: 2033)
+
+# The spec's two lists (trust model).
+PUBLIC_FUNCTIONS = [
+    "rl_check", "rl_allow", "rl_check_all", "rl_allow_all",
+    "rl_acquire", "rl_acquire_allow", "rl_release",
+    "rl_concurrency_release", "rl_headers", "rl_redis_ping",
+]
+ADMIN_FUNCTIONS = [
+    "rl_fixed", "rl_fixed_allow", "rl_fixed_refund",
+    "rl_sliding", "rl_sliding_allow", "rl_sliding_refund",
+    "rl_sliding_counter", "rl_sliding_counter_allow", "rl_sliding_counter_refund",
+    "rl_token_bucket", "rl_token_bucket_allow", "rl_token_bucket_refund",
+    "rl_gcra", "rl_gcra_allow", "rl_gcra_refund",
+    "rl_refund", "rl_reset",
+    "rl_concurrency_acquire", "rl_concurrency_acquire_allow",
+    "rl_guard", "rl_guard_statement", "rl_policy_changed",
+]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def uid():
+    return uuid.uuid4().hex[:12]
+
+
+class Env:
+    """Makes policies, roles, guarded tables and connections for one test,
+    and removes them all at teardown."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.policies = []
+        self.tables = []
+        self.roles = []
+        self.conns = []
+
+    def connect(self, role=None):
+        conn = pg_connect(user=role) if role else pg_connect()
+        self.conns.append(conn)
+        return conn
+
+    def policy(self, algorithm, lim, window_ms, burst=None):
+        name = "t_integrity_%s" % uid()
+        self.pg.execute(
+            "INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst) VALUES (%s, %s, %s, %s, %s)",
+            (name, algorithm, lim, window_ms, burst),
+        )
+        self.policies.append(name)
+        return name
+
+    def role(self):
+        name = "rl_ordinary_%s" % uid()
+        self.pg.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+        self.roles.append(name)
+        return name
+
+    def guarded_table(self, limit, grant_insert_to=None, statement=False):
+        """A table (tenant text) guarded by rl_guard(limit, 'tenant') AFTER
+        INSERT FOR EACH ROW (the spec's only row guard form)."""
+        name = "rl_integrity_%s" % uid()
+        self.pg.execute(sql.SQL("CREATE TABLE {} (tenant text NOT NULL, note text)").format(sql.Identifier(name)))
+        self.tables.append(name)
+        self.pg.execute(
+            sql.SQL(
+                "CREATE TRIGGER guard AFTER INSERT ON {} FOR EACH ROW "
+                "EXECUTE FUNCTION rl_guard({}, 'tenant')"
+            ).format(sql.Identifier(name), sql.Literal(limit))
+        )
+        if grant_insert_to:
+            self.pg.execute(
+                sql.SQL("GRANT INSERT ON {} TO {}").format(sql.Identifier(name), sql.Identifier(grant_insert_to))
+            )
+        return name
+
+    def cleanup(self):
+        for conn in self.conns:
+            try:
+                conn.close()
+            except Exception:
+                pass
+        pg = self.pg
+        if pg.closed:
+            pg = pg_connect()
+        try:
+            for role in self.roles:
+                # only the sessions this test opened as that role
+                pg.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+                )
+            for t in self.tables:
+                pg.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(t)))
+            if self.policies:
+                pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (self.policies,))
+            for role in self.roles:
+                for _ in range(50):
+                    try:
+                        pg.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                        pg.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+                        break
+                    except psycopg.Error:
+                        time.sleep(0.1)  # a terminated session still ending
+        finally:
+            if pg is not self.pg:
+                pg.close()
+
+
+@pytest.fixture
+def env(pg):
+    e = Env(pg)
+    try:
+        yield e
+    finally:
+        e.cleanup()
+
+
+def sqlstate_of(conn, query, params=None):
+    """Runs a statement that must fail; returns its SQLSTATE."""
+    with pytest.raises(psycopg.Error) as excinfo:
+        conn.execute(query, params)
+    return excinfo.value.sqlstate
+
+
+def outcome(conn, query, params=None):
+    """The SQLSTATE of a statement, or "ok" when it succeeded."""
+    try:
+        conn.execute(query, params)
+    except psycopg.Error as e:
+        return e.sqlstate
+    return "ok"
+
+
+def peek(conn, policy, identity):
+    """(lim, remaining) of a cost-0 rl_check (consumes nothing)."""
+    return conn.execute(
+        "SELECT (r).lim, (r).remaining FROM rl_check(%s, %s, 0) AS r", (policy, identity)
+    ).fetchone()
+
+
+def acquire(conn, kind, policy, identity, lim, lease_ms=LEASE_MS):
+    """Takes a slot: through the concurrency policy (kind 'policy', lim and
+    lease are the policy's) or with explicit arguments (kind 'explicit')."""
+    if kind == "policy":
+        return conn.execute("SELECT rl_acquire_allow(%s, %s)", (policy, identity)).fetchone()[0]
+    return conn.execute(
+        "SELECT rl_concurrency_acquire_allow(%s, %s, %s)", (identity, lim, lease_ms)
+    ).fetchone()[0]
+
+
+def acquire_sql(kind, policy, identity, lim, lease_ms=LEASE_MS):
+    """The same as a SQL expression (for DO blocks)."""
+    if kind == "policy":
+        return sql.SQL("rl_acquire_allow({}, {})").format(sql.Literal(policy), sql.Literal(identity))
+    return sql.SQL("rl_concurrency_acquire_allow({}, {}, {})").format(
+        sql.Literal(identity), sql.Literal(lim), sql.Literal(lease_ms)
+    )
+
+
+def slots_free(conn, kind, policy, identity, lim):
+    """In one transaction of conn: are all lim slots free? (a (lim+1)th
+    must then be denied). The transaction is rolled back."""
+    conn.execute("BEGIN")
+    try:
+        got = [acquire(conn, kind, policy, identity, lim) for _ in range(lim)]
+        if all(got):
+            assert acquire(conn, kind, policy, identity, lim) is False, "more than lim slots"
+        return all(got)
+    finally:
+        conn.execute("ROLLBACK")
+
+
+def wait_until(predicate, timeout, interval=0.2):
+    """Polls predicate() until it is true; returns (true?, seconds waited)."""
+    t0 = time.monotonic()
+    while True:
+        if predicate():
+            return True, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            return False, time.monotonic() - t0
+        time.sleep(interval)
+
+
+class Background(threading.Thread):
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.result = self.error = None
+        self.started = self.finished = None
+
+    def run(self):
+        self.started = time.monotonic()
+        try:
+            self.result = self.fn()
+        except BaseException as e:
+            self.error = e
+        self.finished = time.monotonic()
+
+
+def bounded(fn, redis, bound, what):
+    """Runs fn() in a thread; fails the test when it has not returned within
+    `bound` seconds (after resuming `redis`, so the statement can end).
+    Returns (result, seconds)."""
+    t = Background(fn)
+    t0 = time.monotonic()
+    t.start()
+    t.join(bound)
+    if t.is_alive():
+        redis.resume()
+        t.join(60)
+        pytest.fail("%s did not return within %.1f s with Redis stopped (it returned %s after SIGCONT)"
+                    % (what, bound, "only" if not t.is_alive() else "not even"))
+    if t.error is not None:
+        raise t.error
+    return t.result, t.finished - t0
+
+
+def memory_contexts(conn):
+    """[(name, level, total_bytes)] of the backend, depth first."""
+    return conn.execute(
+        "SELECT name, level, total_bytes FROM pg_get_backend_memory_contexts() WITH ORDINALITY "
+        "AS c(name, ident, parent, level, total_bytes, total_nblocks, free_bytes, free_chunks, used_bytes, n) "
+        "ORDER BY n"
+    ).fetchall()
+
+
+def subtree_bytes(contexts, root):
+    for i, (name, level, total) in enumerate(contexts):
+        if name == root:
+            s = total
+            for name2, level2, total2 in contexts[i + 1:]:
+                if level2 <= level:
+                    break
+                s += total2
+            return s
+    return 0
+
+
+def top_contexts(contexts, n=8):
+    return sorted(contexts, key=lambda c: -c[2])[:n]
+
+
+# ============================================================ 1. trust model
+
+
+def test_ordinary_role_cannot_give_itself_quota(env):
+    """Item 2: an ordinary role that may only INSERT into a guarded table
+    cannot refund, reset, invent limits, take eternal slots or make its own
+    guards; its 3rd row stays refused."""
+    role = env.role()
+    policy = env.policy("sliding", 2, 60000)
+    table = env.guarded_table(policy, grant_insert_to=role)
+    me = new_ident("tenant")
+    conn = env.connect(role)
+    insert = sql.SQL("INSERT INTO {} (tenant) VALUES (%s)").format(sql.Identifier(table))
+
+    conn.execute(insert, (me,))
+    conn.execute(insert, (me,))
+    assert sqlstate_of(conn, insert, (me,)) == "PT429"
+
+    attempts = [
+        ("SELECT rl_refund(%s, %s, 1000)", (policy, me)),
+        ("SELECT rl_fixed_refund(%s, 2, 60000, 1000)", (me,)),
+        ("SELECT rl_sliding_refund(%s, 2, 60000, 1000)", (me,)),
+        ("SELECT rl_fixed(%s, 1000, 1)", (me,)),
+        ("SELECT rl_token_bucket_refund(%s, 2, 60000, 1000)", (me,)),
+        ("SELECT rl_reset(%s)", (me,)),
+        ("SELECT rl_concurrency_acquire(%s, 1000, 3153600000000)", (me,)),
+    ]
+    got = {q: outcome(conn, q, p) for q, p in attempts}
+    assert got == {q: "42501" for q, _ in attempts}
+
+    temp = "mine_%s" % uid()
+    conn.execute(sql.SQL("CREATE TEMP TABLE {} (tenant text)").format(sql.Identifier(temp)))
+    for fn, level in (("rl_guard", "ROW"), ("rl_guard_statement", "STATEMENT")):
+        ref = " REFERENCING NEW TABLE AS n" if level == "STATEMENT" else ""
+        state = sqlstate_of(
+            conn,
+            sql.SQL("CREATE TRIGGER g AFTER INSERT ON {}" + ref + " FOR EACH " + level
+                    + " EXECUTE FUNCTION " + fn + "({}, 'tenant')").format(
+                sql.Identifier(temp), sql.Literal("fixed:1000000/1")),
+        )
+        assert state == "42501", fn
+
+    # nothing above gave anything back
+    assert sqlstate_of(conn, insert, (me,)) == "PT429"
+    assert env.pg.execute(
+        sql.SQL("SELECT count(*) FROM {} WHERE tenant = %s").format(sql.Identifier(table)), (me,)
+    ).fetchone()[0] == 2
+
+
+def _privileges(conn):
+    """{function signature: PUBLIC may execute} for every function of the
+    extension, plus rl_policy's PUBLIC table privileges."""
+    funcs = dict(
+        conn.execute(
+            "SELECT p.oid::regprocedure::text, has_function_privilege('public', p.oid, 'EXECUTE') "
+            "FROM pg_depend d JOIN pg_proc p ON p.oid = d.objid "
+            "JOIN pg_extension e ON e.oid = d.refobjid "
+            "WHERE d.classid = 'pg_proc'::regclass AND d.deptype = 'e' AND e.extname = 'rl_redis'"
+        ).fetchall()
+    )
+    table = {
+        priv: conn.execute(
+            "SELECT has_table_privilege('public', 'rl_policy', %s)", (priv,)
+        ).fetchone()[0]
+        for priv in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE")
+    }
+    return funcs, table
+
+
+def _check_trust_lists(funcs, table, how):
+    by_name = {}
+    for sig, public in funcs.items():
+        by_name.setdefault(sig.split("(")[0], []).append((sig, public))
+    missing = [n for n in PUBLIC_FUNCTIONS + ADMIN_FUNCTIONS if n not in by_name]
+    assert missing == [], "%s: functions missing: %s" % (how, missing)
+    wrong_public = [s for n in PUBLIC_FUNCTIONS for s, pub in by_name[n] if not pub]
+    wrong_admin = [s for n in ADMIN_FUNCTIONS for s, pub in by_name[n] if pub]
+    assert wrong_public == [], "%s: PUBLIC may not execute %s" % (how, wrong_public)
+    assert wrong_admin == [], "%s: PUBLIC may execute %s" % (how, wrong_admin)
+    assert table == {"SELECT": True, "INSERT": False, "UPDATE": False, "DELETE": False,
+                     "TRUNCATE": False}, how
+
+
+def test_privileges_fresh_install_equal_upgrade(pg):
+    """Item 2: the spec's two lists hold on a fresh install and after an
+    upgrade from 1.2, and both give exactly the same privileges."""
+    db = "rl_scratch_%s" % uid()
+    pg.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
+    try:
+        with pg_connect(dbname=db) as conn:
+            conn.execute("CREATE EXTENSION rl_redis")
+            assert conn.execute(
+                "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
+            ).fetchone()[0] == "1.3"
+            fresh = _privileges(conn)
+            conn.execute("DROP EXTENSION rl_redis")
+            conn.execute("CREATE EXTENSION rl_redis VERSION '1.2'")
+            conn.execute("ALTER EXTENSION rl_redis UPDATE")
+            assert conn.execute(
+                "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
+            ).fetchone()[0] == "1.3"
+            upgraded = _privileges(conn)
+        _check_trust_lists(*fresh, how="fresh install")
+        _check_trust_lists(*upgraded, how="upgrade from 1.2")
+        assert fresh == upgraded
+    finally:
+        pg.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
+
+
+def test_no_unlisted_function_is_public(pg):
+    """Item 2: PUBLIC may execute the first list and nothing else."""
+    funcs, _ = _privileges(pg)
+    extra = sorted(s for s, pub in funcs.items() if pub and s.split("(")[0] not in PUBLIC_FUNCTIONS)
+    assert extra == []
+
+
+def test_two_explicit_limits_are_two_counters(pg, shared_redis):
+    """Keys: an explicit limit is part of the key, so 1/min and 1/h on one
+    identity are two counters and neither rewrites the other."""
+
+    def run():
+        k = new_ident("twolimits")
+        return [
+            pg.execute("SELECT rl_fixed_allow(%s, 1, 60000)", (k,)).fetchone()[0],
+            pg.execute("SELECT rl_fixed_allow(%s, 1, 3600000)", (k,)).fetchone()[0],
+            pg.execute("SELECT rl_fixed_allow(%s, 1, 60000)", (k,)).fetchone()[0],
+            pg.execute("SELECT rl_fixed_allow(%s, 1, 3600000)", (k,)).fetchone()[0],
+        ]
+
+    assert same_fixed_window(shared_redis, 60000, run) == [True, True, False, False]
+
+
+# ============================================================ 2. policies never stale
+
+
+def _lim(conn, policy):
+    return peek(conn, policy, new_ident("lim"))[0]
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "READ COMMITTED", "SERIALIZABLE"])
+def test_policy_change_seen_by_next_statement(env, isolation):
+    """Item 4: a committed UPDATE of rl_policy is used by the next statement
+    of an open transaction (any isolation level) and afterwards."""
+    role = env.role()
+    policy = env.policy("sliding", 10, 60000)
+    a = env.connect(role)
+    assert _lim(a, policy) == 10  # cached by this backend
+    a.execute("BEGIN ISOLATION LEVEL " + isolation)
+    assert _lim(a, policy) == 10
+    env.pg.execute("UPDATE rl_policy SET lim = 1 WHERE name = %s", (policy,))
+    assert _lim(a, policy) == 1
+    assert _lim(a, policy) == 1
+    a.execute("COMMIT")
+    assert _lim(a, policy) == 1
+    a.execute("BEGIN ISOLATION LEVEL " + isolation)
+    assert _lim(a, policy) == 1
+    a.execute("COMMIT")
+    # and back, in autocommit
+    env.pg.execute("UPDATE rl_policy SET lim = 7 WHERE name = %s", (policy,))
+    assert _lim(a, policy) == 7
+
+
+def test_policy_read_with_old_snapshot_is_not_kept(env):
+    """Item 4, the race: A's REPEATABLE READ snapshot is older than B's
+    committed change; whatever A's first call sees, its next statement and
+    later transactions use the new numbers. For a policy A never cached and
+    for one A had cached before."""
+    role = env.role()
+    fresh = env.policy("sliding", 10, 60000)
+    cached = env.policy("sliding", 10, 60000)
+    a = env.connect(role)
+    assert _lim(a, cached) == 10
+    a.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    a.execute("SELECT 1")  # the snapshot is taken here
+    env.pg.execute("UPDATE rl_policy SET lim = 1 WHERE name = ANY(%s)", ([fresh, cached],))
+    first = {p: _lim(a, p) for p in (fresh, cached)}
+    assert set(first.values()) <= {1, 10}
+    assert {p: _lim(a, p) for p in (fresh, cached)} == {fresh: 1, cached: 1}, first
+    a.execute("COMMIT")
+    assert {p: _lim(a, p) for p in (fresh, cached)} == {fresh: 1, cached: 1}
+    a.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert {p: _lim(a, p) for p in (fresh, cached)} == {fresh: 1, cached: 1}
+    a.execute("COMMIT")
+
+
+# ============================================================ 3. COMMIT never hangs
+
+
+SAVEPOINT_END = "ROLLBACK TO SAVEPOINT s"
+
+
+@pytest.mark.parametrize("end", ["COMMIT", "ROLLBACK", SAVEPOINT_END])
+@pytest.mark.parametrize("kind", ["policy", "explicit"])
+def test_xact_end_with_hung_redis_returns(env, redis_factory, kind, end):
+    """Item 5: with Redis SIGSTOPped and command_timeout = 0, COMMIT, ROLLBACK
+    and ROLLBACK TO SAVEPOINT of a (sub)transaction holding a slot return
+    within the budget, the backend stays usable, and after SIGCONT the
+    session's next call sends the release, so the slot is free long before
+    its lease ends (for the savepoint: while the transaction is still open)."""
+    r = redis_factory()
+    lim = 2
+    policy = env.policy("concurrency", lim, LEASE_MS) if kind == "policy" else None
+    conn = env.connect()
+    use_redis(conn, r, command_timeout=0)
+    collect_notices(conn)  # a WARNING may be emitted
+    identity = new_ident("end")
+    assert in_sync_call(conn, new_ident("warm")) == (True, 777)
+
+    conn.execute("BEGIN")
+    if end == SAVEPOINT_END:
+        conn.execute("SAVEPOINT s")
+    assert acquire(conn, kind, policy, identity, lim) is True
+    r.pause()
+    try:
+        _, elapsed = bounded(lambda: conn.execute(end), r, XACT_END_BOUND_S, end)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        expected = (psycopg.pq.TransactionStatus.INTRANS if end == SAVEPOINT_END
+                    else psycopg.pq.TransactionStatus.IDLE)
+        assert conn.info.transaction_status == expected
+    finally:
+        r.resume()
+    print("\n[%s %s with Redis stopped: %.3f s]" % (kind, end, elapsed), end="")
+
+    # the session's next call: first what could not be sent, then the call
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    other = env.connect()
+    use_redis(other, r)
+    ok, waited = wait_until(lambda: slots_free(other, kind, policy, identity, lim), 10.0)
+    assert ok, "the slot taken before %s is still held %.1f s after the next call" % (end, waited)
+    if end == SAVEPOINT_END:
+        conn.execute("COMMIT")
+        assert slots_free(other, kind, policy, identity, lim)
+
+
+@pytest.mark.parametrize("end", ["ROLLBACK", SAVEPOINT_END])
+def test_rollback_of_guarded_insert_with_hung_redis(env, redis_factory, end):
+    """Item 5: the refund of a rolled-back guarded insert does not hang the
+    ROLLBACK (TO SAVEPOINT); it is sent by the session's next call, exactly
+    once."""
+    r = redis_factory()
+    lim = 10
+    policy = env.policy("fixed", lim, HUGE_WINDOW_MS)
+    table = env.guarded_table(policy)
+    insert = sql.SQL("INSERT INTO {} (tenant) VALUES (%s)").format(sql.Identifier(table))
+    conn = env.connect()
+    use_redis(conn, r, command_timeout=0)
+    collect_notices(conn)
+    tenant = new_ident("refund")
+
+    conn.execute(insert, (tenant,))
+    conn.execute(insert, (tenant,))  # 2 units kept (autocommit)
+    conn.execute("BEGIN")
+    if end == SAVEPOINT_END:
+        conn.execute(insert, (tenant,))  # kept: before the savepoint, committed below
+        conn.execute("SAVEPOINT s")
+    conn.execute(insert, (tenant,))
+    conn.execute(insert, (tenant,))
+    conn.execute(insert, (tenant,))
+    kept = 3 if end == SAVEPOINT_END else 2
+    assert peek(conn, policy, tenant) == (lim, lim - kept - 3)
+    r.pause()
+    try:
+        _, elapsed = bounded(lambda: conn.execute(end), r, XACT_END_BOUND_S, end)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        r.resume()
+    print("\n[guarded %s with Redis stopped: %.3f s]" % (end, elapsed), end="")
+
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    other = env.connect()
+    use_redis(other, r)
+    ok, waited = wait_until(lambda: peek(other, policy, tenant)[1] == lim - kept, 10.0)
+    assert ok, peek(other, policy, tenant)
+    # exactly the 3 rolled-back units came back, not twice
+    time.sleep(0.5)
+    assert in_sync_call(conn, new_ident("again")) == (True, 777)
+    if end == SAVEPOINT_END:
+        conn.execute("COMMIT")
+    assert peek(other, policy, tenant) == (lim, lim - kept)
+    assert peek(conn, policy, tenant) == (lim, lim - kept)
+    assert env.pg.execute(
+        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0] == kept
+
+
+def _terminate(pg, pid, v):
+    """pg_terminate_backend(pid) while v (a Background running on that
+    backend) is stuck; the backend must be gone and the client told within
+    the bound."""
+    t_kill = time.monotonic()
+    assert pg.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0] is True
+    gone, waited = wait_until(
+        lambda: pg.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()[0] == 0,
+        XACT_END_BOUND_S, interval=0.05)
+    v.join(max(0.1, XACT_END_BOUND_S - (time.monotonic() - t_kill)))
+    assert gone, "backend %d still there %.1f s after pg_terminate_backend" % (pid, waited)
+    assert not v.is_alive(), "the client still waits %.1f s after pg_terminate_backend" % (
+        time.monotonic() - t_kill)
+    return waited
+
+
+@pytest.mark.parametrize("kind", ["policy", "explicit"])
+def test_terminate_with_hung_redis_holding_slot(env, redis_factory, kind):
+    """Item 5: pg_terminate_backend ends, within the bound, (a) a session
+    stuck in a call to a SIGSTOPped Redis (command_timeout = 0) that holds a
+    slot (its abort must not wait on Redis forever), and (b) a session whose
+    COMMIT has to release a slot to that Redis (1.2: COMMIT hangs with
+    interrupts held, so not even pg_terminate_backend ends it)."""
+    r = redis_factory()
+    lim = 2
+    policy = env.policy("concurrency", lim, LEASE_MS) if kind == "policy" else None
+    victims = [env.connect(), env.connect()]
+    for conn in victims:
+        use_redis(conn, r, command_timeout=0)
+        conn.execute("BEGIN")
+        assert acquire(conn, kind, policy, new_ident("term"), lim) is True
+
+    r.pause()
+    try:
+        # (a) stuck in a call
+        conn = victims[0]
+        v = Background(lambda: conn.execute(
+            "SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("stuck"),)).fetchone())
+        v.start()
+        wait_until_active(env.pg, conn.info.backend_pid)
+        time.sleep(0.3)
+        assert v.is_alive(), "the call did not hang"
+        waited = _terminate(env.pg, conn.info.backend_pid, v)
+        assert isinstance(v.error, psycopg.OperationalError), repr(v.error)
+        print("\n[terminate in a hung call: gone after %.3f s]" % waited, end="")
+
+        # (b) in COMMIT (which may well have returned by itself: budget 1 s)
+        conn = victims[1]
+        v = Background(lambda: conn.execute("COMMIT"))
+        v.start()
+        wait_until_active(env.pg, conn.info.backend_pid)
+        waited = _terminate(env.pg, conn.info.backend_pid, v)
+        print("\n[terminate in COMMIT: gone after %.3f s]" % waited, end="")
+    finally:
+        r.resume()
+
+
+# ============================================================ 4. interrupted call
+
+
+@pytest.mark.parametrize("kind", ["policy", "explicit"])
+def test_interrupted_call_does_not_strand_slots(env, redis_factory, kind):
+    """Item 14: slots held by a transaction whose call was cancelled (Redis
+    stopped, statement_timeout) are released by the session's next call, not
+    by the lease."""
+    r = redis_factory()
+    lim = 2
+    policy = env.policy("concurrency", lim, LEASE_MS) if kind == "policy" else None
+    conn = env.connect()
+    use_redis(conn, r)
+    collect_notices(conn)
+    identity = new_ident("interrupted")
+
+    conn.execute("BEGIN")
+    assert [acquire(conn, kind, policy, identity, lim) for _ in range(lim + 1)] == [True] * lim + [False]
+    conn.execute("SET LOCAL statement_timeout = '300ms'")
+    r.pause()
+    try:
+        state = sqlstate_of(conn, "SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("cancelled"),))
+        assert state == "57014"
+    finally:
+        r.resume()
+    conn.execute("ROLLBACK")
+
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    other = env.connect()
+    use_redis(other, r)
+    ok, waited = wait_until(lambda: slots_free(other, kind, policy, identity, lim), 5.0)
+    assert ok, "slots still held %.1f s after the session's next call" % waited
+
+
+def test_lease_limits(env, shared_redis):
+    """Item 14: an ordinary role cannot take a slot with an explicit lease
+    (42501); a lease above rl_redis.max_lease (default 1 h) is 22023, for
+    the superuser and for a policy, until max_lease is raised."""
+    role = env.role()
+    conn = env.connect(role)
+    me = new_ident("lease")
+    assert sqlstate_of(conn, "SELECT rl_concurrency_acquire(%s, 1, 3153600000000)", (me,)) == "42501"
+    assert sqlstate_of(conn, "SELECT rl_concurrency_acquire_allow(%s, 1, 1000)", (me,)) == "42501"
+
+    pg = env.pg
+    assert sqlstate_of(pg, "SELECT rl_concurrency_acquire(%s, 1, 3153600000000)", (me,)) == "22023"
+    assert sqlstate_of(pg, "SELECT rl_concurrency_acquire(%s, 1, 3600001)", (me,)) == "22023"
+    assert pg.execute("SELECT rl_concurrency_acquire_allow(%s, 1, 3600000)", (me,)).fetchone()[0] is True
+    long_policy = env.policy("concurrency", 1, 3600001)
+    assert sqlstate_of(pg, "SELECT rl_acquire(%s, %s)", (long_policy, me)) == "22023"
+    # the role may use policies; the policy's lease is checked for it too
+    assert sqlstate_of(conn, "SELECT rl_acquire(%s, %s)", (long_policy, me)) == "22023"
+
+    set_gucs(pg, max_lease=7200000)
+    assert pg.execute("SELECT rl_concurrency_acquire_allow(%s, 1, 3600001)", (me,)).fetchone()[0] is True
+    assert pg.execute("SELECT rl_acquire_allow(%s, %s)", (long_policy, me)).fetchone()[0] is True
+    # superuser-only setting
+    assert sqlstate_of(conn, "SET rl_redis.max_lease = 3153600000000") == "42501"
+
+
+# ============================================================ 5. savepoints
+
+
+@pytest.mark.parametrize("kind", ["policy", "explicit"])
+def test_slot_follows_savepoint(env, kind):
+    """Item 13: ROLLBACK TO SAVEPOINT gives back the slots taken after it;
+    RELEASE keeps them in the transaction."""
+    lim = 1
+    policy = env.policy("concurrency", lim, LEASE_MS) if kind == "policy" else None
+    conn = env.connect()
+    other = env.connect()
+    identity = new_ident("savepoint")
+    conn.execute("BEGIN")
+    try:
+        conn.execute("SAVEPOINT s")
+        assert acquire(conn, kind, policy, identity, lim) is True
+        assert acquire(other, kind, policy, identity, lim) is False  # held
+        conn.execute("ROLLBACK TO SAVEPOINT s")
+        assert acquire(other, kind, policy, identity, lim) is True  # lone: given back at once
+        assert acquire(conn, kind, policy, identity, lim) is True  # was denied in 1.2
+        # a released savepoint hands its slot to the transaction
+        conn.execute("ROLLBACK TO SAVEPOINT s")
+        conn.execute("SAVEPOINT t")
+        assert acquire(conn, kind, policy, identity, lim) is True
+        conn.execute("RELEASE SAVEPOINT t")
+        assert acquire(conn, kind, policy, identity, lim) is False
+        assert acquire(other, kind, policy, identity, lim) is False
+    finally:
+        conn.execute("ROLLBACK")
+    assert acquire(other, kind, policy, identity, lim) is True
+
+
+@pytest.mark.parametrize("kind", ["policy", "explicit"])
+def test_slot_follows_exception_block(env, kind):
+    """Item 13: a PL/pgSQL exception block that took a slot and raised gives
+    the slot back; one left normally keeps it."""
+    lim = 1
+    policy = env.policy("concurrency", lim, LEASE_MS) if kind == "policy" else None
+    conn = env.connect()
+    other = env.connect()
+    identity = new_ident("exception")
+    take = acquire_sql(kind, policy, identity, lim)
+    conn.execute("BEGIN")
+    try:
+        conn.execute(sql.SQL(
+            "DO $$ BEGIN BEGIN IF NOT {} THEN RAISE 'not taken' USING ERRCODE = 'XX001'; END IF; "
+            "RAISE EXCEPTION 'undo'; EXCEPTION WHEN raise_exception THEN NULL; END; END $$").format(take))
+        assert acquire(conn, kind, policy, identity, lim) is True  # was denied in 1.2
+        assert acquire(other, kind, policy, identity, lim) is False
+    finally:
+        conn.execute("ROLLBACK")
+    assert acquire(other, kind, policy, identity, lim) is True
+
+    conn.execute("BEGIN")
+    try:
+        conn.execute(sql.SQL(
+            "DO $$ BEGIN BEGIN IF NOT {} THEN RAISE 'not taken' USING ERRCODE = 'XX001'; END IF; "
+            "EXCEPTION WHEN raise_exception THEN NULL; END; END $$").format(take))
+        assert acquire(conn, kind, policy, identity, lim) is False  # kept
+    finally:
+        conn.execute("ROLLBACK")
+
+
+# ============================================================ 6. bounded bookkeeping
+
+
+def test_refund_bookkeeping_is_bounded(env):
+    """Item 3: 200 000 guarded rows of 10 tenants and 2 500 exception blocks
+    that raise, in one transaction, keep the refund bookkeeping small
+    (O(keys), not O(rows), and a subtransaction costs O(its own keys)); the
+    ROLLBACK still gives every unit back."""
+    lim = 2000000000
+    policy = env.policy("fixed", lim, 3600000)
+    table = env.guarded_table(policy)
+    conn = env.connect()
+    tenant = new_ident("bulk")
+    tenants = ["%s:%d" % (tenant, i) for i in range(10)]
+    other_tenant = tenant + ":sub"
+    before = sum(c[2] for c in memory_contexts(conn))
+
+    conn.execute("BEGIN")
+    try:
+        t0 = time.monotonic()
+        conn.execute(
+            sql.SQL("INSERT INTO {} (tenant) SELECT %s || ':' || (i %% 10) FROM generate_series(1, 200000) i")
+            .format(sql.Identifier(table)), (tenant,))
+        t1 = time.monotonic()
+        conn.execute(sql.SQL(
+            "DO $$ BEGIN FOR i IN 1..2500 LOOP BEGIN INSERT INTO {} (tenant) VALUES ({}); "
+            "RAISE EXCEPTION 'undo'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $$"
+        ).format(sql.Identifier(table), sql.Literal(other_tenant)))
+        t2 = time.monotonic()
+        contexts = memory_contexts(conn)
+        xact = subtree_bytes(contexts, "TopTransactionContext")
+        total = sum(c[2] for c in contexts)
+        print("\n[bookkeeping: insert %.1f s, 2500 blocks %.1f s, TopTransactionContext %.1f MB, "
+              "backend %.1f MB (%.1f before)]" % (t1 - t0, t2 - t1, xact / 2**20, total / 2**20, before / 2**20),
+              end="")
+        assert xact < 64 * 2**20, top_contexts(contexts)
+        assert total - before < 64 * 2**20, top_contexts(contexts)
+        # the charges are there (and the exception blocks gave theirs back)
+        assert [peek(conn, policy, t) for t in tenants] == [(lim, lim - 20000)] * 10
+        assert peek(conn, policy, other_tenant) == (lim, lim)
+    finally:
+        conn.execute("ROLLBACK")
+    assert [peek(conn, policy, t) for t in tenants] == [(lim, lim)] * 10
+
+
+# ============================================================ 7. 2PC
+
+
+def test_prepare_gives_slots_back_and_keeps_charges(env):
+    """Item 11: PREPARE TRANSACTION gives the slots back at once and keeps the
+    charges; ROLLBACK PREPARED gives nothing back (documented limitation)."""
+    pg = env.pg
+    if pg.execute("SHOW max_prepared_transactions").fetchone()[0] == "0":
+        pytest.skip("max_prepared_transactions = 0 in the test cluster")
+    lim = 5
+    rate = env.policy("sliding", lim, LEASE_MS)
+    conc = env.policy("concurrency", 1, LEASE_MS)
+    table = env.guarded_table(rate)
+    conn = env.connect()
+    other = env.connect()
+    tenant = new_ident("2pc")
+    gid = "rl_integrity_%s" % uid()
+
+    conn.execute("BEGIN")
+    conn.execute(sql.SQL("INSERT INTO {} (tenant) VALUES (%s)").format(sql.Identifier(table)), (tenant,))
+    assert acquire(conn, "policy", conc, tenant, 1) is True
+    assert acquire(conn, "explicit", None, tenant, 1) is True
+    assert acquire(other, "policy", conc, tenant, 1) is False  # held
+    assert acquire(other, "explicit", None, tenant, 1) is False
+    conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+    try:
+        assert acquire(other, "policy", conc, tenant, 1) is True  # free right after PREPARE
+        assert acquire(other, "explicit", None, tenant, 1) is True
+        assert peek(other, rate, tenant) == (lim, lim - 1)
+    finally:
+        pg.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+    time.sleep(0.3)
+    assert peek(other, rate, tenant) == (lim, lim - 1)  # nothing given back
+    assert peek(conn, rate, tenant) == (lim, lim - 1)
+    assert pg.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0] == 0
+
+
+# ============================================================ 8. sliding log size
+
+
+def test_sliding_log_limits(env, shared_redis):
+    """Item 15: rl_sliding* is admin-only; a sliding log larger than
+    rl_redis.sliding_max_lim (default 10000), explicit or policy, is 22023
+    until the setting is raised."""
+    role = env.role()
+    conn = env.connect(role)
+    me = new_ident("sliding")
+    assert sqlstate_of(conn, "SELECT rl_sliding_allow(%s, 10, 60000)", (me,)) == "42501"
+    assert sqlstate_of(conn, "SELECT rl_sliding(%s, 10, 60000)", (me,)) == "42501"
+
+    pg = env.pg
+    assert sqlstate_of(pg, "SELECT rl_sliding(%s, 100000, 60000)", (me,)) == "22023"
+    assert sqlstate_of(pg, "SELECT rl_sliding_allow(%s, 10001, 60000)", (me,)) == "22023"
+    assert pg.execute("SELECT rl_sliding_allow(%s, 10000, 60000)", (me,)).fetchone()[0] is True
+    big = env.policy("sliding", 20000, 60000)
+    assert sqlstate_of(pg, "SELECT rl_check(%s, %s)", (big, me)) == "22023"
+    assert sqlstate_of(conn, "SELECT rl_check(%s, %s)", (big, me)) == "22023"
+
+    set_gucs(pg, sliding_max_lim=100000)
+    row = pg.execute("SELECT (r).allowed, (r).lim, (r).remaining FROM rl_sliding(%s, 100000, 60000) AS r",
+                     (new_ident("sliding_big"),)).fetchone()
+    assert row == (True, 100000, 99999)
+    assert pg.execute("SELECT rl_allow(%s, %s)", (big, me)).fetchone()[0] is True
+    assert sqlstate_of(conn, "SET rl_redis.sliding_max_lim = 100000") == "42501"
