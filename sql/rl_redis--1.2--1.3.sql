@@ -71,6 +71,27 @@ RETURNS boolean
 AS 'MODULE_PATHNAME', 'rl_release'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
+-- The row guard now fires AFTER the row is written (so that ON CONFLICT DO
+-- NOTHING charges a skipped row nothing and an upsert charges once); a
+-- BEFORE trigger raises 39P01 from now on. Say which triggers need
+-- recreating.
+DO $$
+DECLARE
+    t record;
+BEGIN
+    FOR t IN
+        SELECT tg.tgname, tg.tgrelid::regclass AS rel
+          FROM pg_catalog.pg_trigger tg
+         WHERE tg.tgfoid = '@extschema@.rl_guard()'::pg_catalog.regprocedure
+           AND (tg.tgtype::integer & 2) <> 0
+    LOOP
+        RAISE WARNING 'trigger "%" on % calls rl_guard BEFORE the row is written',
+            t.tgname, t.rel
+            USING HINT = 'Recreate it as AFTER INSERT OR UPDATE ... FOR EACH ROW; rl_guard refuses to fire BEFORE since 1.3.';
+    END LOOP;
+END
+$$;
+
 -- (rl_headers is replaced below)
 
 -- rl_headers: RateLimit-Policy advertises the policy's rate (q = rl_policy.lim

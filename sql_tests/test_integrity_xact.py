@@ -557,6 +557,47 @@ def test_rollback_of_guarded_insert_with_hung_redis(env, redis_factory, end):
         sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0] == kept
 
 
+def test_rollback_then_interrupted_call_with_hung_redis(env, redis_factory):
+    """Item 5 + 14: a ROLLBACK with Redis stopped (slot release and refund
+    left to send), then a call that statement_timeout cancels while Redis is
+    still stopped; after SIGCONT the session is in step (each reply goes to
+    its own call), the slot is free and the refund was applied exactly once."""
+    r = redis_factory()
+    lim = 10
+    policy = env.policy("fixed", lim, HUGE_WINDOW_MS)
+    table = env.guarded_table(policy)
+    insert = sql.SQL("INSERT INTO {} (tenant) VALUES (%s)").format(sql.Identifier(table))
+    conn = env.connect()
+    use_redis(conn, r, command_timeout=0)
+    collect_notices(conn)
+    tenant = new_ident("both")
+
+    conn.execute(insert, (tenant,))  # 1 unit kept
+    conn.execute("BEGIN")
+    assert acquire(conn, "explicit", None, tenant, 1) is True
+    for _ in range(3):
+        conn.execute(insert, (tenant,))
+    r.pause()
+    try:
+        bounded(lambda: conn.execute("ROLLBACK"), r, XACT_END_BOUND_S, "ROLLBACK")
+        conn.execute("SET statement_timeout = '300ms'")
+        assert sqlstate_of(conn, "SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("cancelled"),)) == "57014"
+        conn.execute("RESET statement_timeout")
+    finally:
+        r.resume()
+
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    assert in_sync_call(conn, new_ident("next2"), lim=555) == (True, 555)
+    other = env.connect()
+    use_redis(other, r)
+    ok, waited = wait_until(lambda: slots_free(other, "explicit", None, tenant, 1), 10.0)
+    assert ok, "slot still held %.1f s after the next call" % waited
+    assert peek(other, policy, tenant) == (lim, lim - 1)
+    time.sleep(0.5)
+    assert in_sync_call(conn, new_ident("again")) == (True, 777)
+    assert peek(other, policy, tenant) == (lim, lim - 1)
+
+
 def _terminate(pg, pid, v):
     """pg_terminate_backend(pid) while v (a Background running on that
     backend) is stuck; the backend must be gone and the client told within
@@ -607,10 +648,13 @@ def test_terminate_with_hung_redis_holding_slot(env, redis_factory, kind):
 
         # (b) in COMMIT (which may well have returned by itself: budget 1 s)
         conn = victims[1]
+        pid = conn.info.backend_pid
         v = Background(lambda: conn.execute("COMMIT"))
         v.start()
-        wait_until_active(env.pg, conn.info.backend_pid)
-        waited = _terminate(env.pg, conn.info.backend_pid, v)
+        wait_until(lambda: not v.is_alive() or env.pg.execute(
+            "SELECT state = 'active' FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0], 5.0,
+            interval=0.02)
+        waited = _terminate(env.pg, pid, v)
         print("\n[terminate in COMMIT: gone after %.3f s]" % waited, end="")
     finally:
         r.resume()

@@ -78,6 +78,7 @@ rl_release_from_level(int nestlevel)
 {
 	ListCell   *lc;
 	volatile bool lost = false;
+	RlHold		hold;
 
 	foreach(lc, held_slots)
 	{
@@ -85,13 +86,14 @@ rl_release_from_level(int nestlevel)
 
 		if (slot->nestlevel < nestlevel)
 			continue;
+		rl_hold_save(&hold);
 		PG_TRY();
 		{
 			rl_queue_release(slot);
 		}
 		PG_CATCH();
 		{
-			FlushErrorState();
+			rl_hold_restore(&hold);
 			lost = true;
 		}
 		PG_END_TRY();

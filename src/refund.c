@@ -367,11 +367,14 @@ rl_scope_close(void)
 static void
 rl_refund_xact_callback(XactEvent event, void *arg)
 {
+	RlHold		hold;
+
 	switch (event)
 	{
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_ABORT:
 			/* never raise here: a refund that cannot be queued is lost */
+			rl_hold_save(&hold);
 			PG_TRY();
 			{
 				while (innermost != NULL)
@@ -382,7 +385,7 @@ rl_refund_xact_callback(XactEvent event, void *arg)
 			}
 			PG_CATCH();
 			{
-				FlushErrorState();
+				rl_hold_restore(&hold);
 				ereport(WARNING,
 						(errmsg("rate-limit units taken in the aborted transaction could not be given back")));
 			}
@@ -407,18 +410,21 @@ static void
 rl_refund_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 						   SubTransactionId parentSubid, void *arg)
 {
+	RlHold		hold;
+
 	if (innermost == NULL ||
 		innermost->nestlevel != GetCurrentTransactionNestLevel())
 		return;
 	if (event == SUBXACT_EVENT_ABORT_SUB)
 	{
+		rl_hold_save(&hold);
 		PG_TRY();
 		{
 			rl_scope_give_back(innermost);
 		}
 		PG_CATCH();
 		{
-			FlushErrorState();
+			rl_hold_restore(&hold);
 			ereport(WARNING,
 					(errmsg("rate-limit units taken in the aborted subtransaction could not be given back")));
 		}

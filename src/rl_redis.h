@@ -21,7 +21,9 @@
 
 #include "fmgr.h"
 #include "lib/stringinfo.h"
+#include "miscadmin.h"
 #include "nodes/pg_list.h"
+#include "utils/memutils.h"
 
 /* rl_redis.on_error */
 typedef enum RlOnError
@@ -38,6 +40,38 @@ typedef enum RlRefundOnAbort
 	RL_REFUND_GUARDS,
 	RL_REFUND_ALL
 } RlRefundOnAbort;
+
+/*
+ * What to put back after catching an error at a transaction end, where
+ * interrupts are held: raising an ERROR clears the hold-off counts and
+ * leaves ErrorContext current. Used as
+ *   rl_hold_save(&held); PG_TRY(); ... PG_CATCH(); rl_hold_restore(&held);
+ */
+typedef struct RlHold
+{
+	MemoryContext cxt;
+	uint32		interrupt_holdoff;
+	uint32		cancel_holdoff;
+} RlHold;
+
+/* Remembers the state rl_hold_restore puts back. */
+static inline void
+rl_hold_save(RlHold *hold)
+{
+	hold->cxt = CurrentMemoryContext;
+	hold->interrupt_holdoff = InterruptHoldoffCount;
+	hold->cancel_holdoff = QueryCancelHoldoffCount;
+}
+
+/* Forgets a caught error and puts the saved state back. */
+static inline void
+rl_hold_restore(const RlHold *hold)
+{
+	MemoryContextSwitchTo(hold->cxt);
+	FlushErrorState();
+	InterruptHoldoffCount = hold->interrupt_holdoff;
+	QueryCancelHoldoffCount = hold->cancel_holdoff;
+}
 
 /* settings (guc.c) */
 extern char *rl_host;

@@ -971,11 +971,13 @@ rl_flush_queue(void)
 {
 	RlFailure	failure;
 	int			budget = RL_XACT_END_BUDGET_MS;
+	RlHold		hold;
 
 	if (queue_count == 0 || !conn.ready || conn.sock == PGINVALID_SOCKET)
 		return;
 	if (rl_command_timeout > 0)
 		budget = Min(budget, rl_command_timeout);
+	rl_hold_save(&hold);
 	PG_TRY();
 	{
 		if (!rl_send_queue(rl_deadline(budget), &failure))
@@ -986,7 +988,7 @@ rl_flush_queue(void)
 	}
 	PG_CATCH();
 	{
-		FlushErrorState();
+		rl_hold_restore(&hold);
 		rl_disconnect();
 	}
 	PG_END_TRY();
