@@ -123,7 +123,8 @@ BEGIN
     reset_s := ceil(r.reset_ms / 1000.0);
     IF policy IS NOT NULL THEN
         SELECT p.lim, ceil(p.window_ms / 1000.0) INTO quota, window_s
-          FROM @extschema@.rl_policy p WHERE p.name = policy;
+          FROM @extschema@.rl_policy p
+         WHERE p.name = policy AND p.algorithm <> 'concurrency';
         IF FOUND THEN
             headers := headers || json_build_object('RateLimit-Policy',
                 format('%s;q=%s;w=%s', item, quota, window_s));

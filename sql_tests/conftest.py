@@ -17,7 +17,7 @@ Fixtures:
   ident              a unique identity for the test
 
 Module-level helpers (importable from the test modules: `from conftest
-import ...`): pg_connect, new_ident, set_gucs, use_redis, RedisServer.
+import ...`): pg_connect, new_ident, set_gucs, use_redis, rl_key, RedisServer.
 """
 
 import os
@@ -66,6 +66,26 @@ def set_gucs(conn, **gucs):
                 sql.Identifier("rl_redis", name), sql.Literal(str(value))
             )
         )
+
+
+def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None,
+           prefix="rl:"):
+    """The documented Redis key of a decision (1.3):
+      policy:   <prefix><algorithm>:{<enc(identity)>}:<policy>
+      explicit: <prefix><algorithm>:{<enc(identity)>}:<lim>/<window_ms>[/<burst>]
+                (concurrency: window_ms is the lease)
+    where enc() percent-encodes '%', '{' and '}'. Give either the policy or
+    lim and window_ms (and burst when the call passed one)."""
+    if (policy is None) == (lim is None or window_ms is None):
+        raise ValueError("rl_key needs either a policy or lim and window_ms")
+    enc = identity.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    key = "%s%s:{%s}:" % (prefix, algorithm, enc)
+    if policy is not None:
+        return key + policy
+    key += "%d/%d" % (lim, window_ms)
+    if burst is not None:
+        key += "/%d" % burst
+    return key
 
 
 def same_fixed_window(redis, window_ms, body, attempts=4):

@@ -29,7 +29,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import new_ident, pg_connect, same_fixed_window, set_gucs
+from conftest import new_ident, pg_connect, rl_key, same_fixed_window, set_gucs
 
 THREADS = 16
 CALLS_PER_THREAD = 20
@@ -45,12 +45,11 @@ RESULT = "SELECT (r).allowed, (r).lim, (r).remaining, (r).reset_ms, (r).retry_af
 # ---------------------------------------------------------------- helpers
 
 
-def key_of(algorithm, identity, policy=None):
-    """The documented Redis key of an identity (default prefix)."""
-    key = "rl:%s:{%s}" % (algorithm, identity)
-    if policy is not None:
-        key += ":" + policy
-    return key
+def key_of(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None):
+    """The documented Redis key (default prefix) of a policy's state, or of
+    an explicit limit's: explicit keys carry lim/window_ms[/burst] (for
+    concurrency slots lim/lease_ms)."""
+    return rl_key(algorithm, identity, policy, lim, window_ms, burst)
 
 
 def exists(redis, key):
@@ -289,8 +288,8 @@ def test_concurrency_slots_many_sessions(shared_redis):
     transaction: never more than 5 holders, and every session gets a turn
     because commits give the slots back."""
     identity = new_ident("slots")
-    key = key_of("concurrency", identity)
     lim = 5
+    key = key_of("concurrency", identity, lim=lim, window_ms=60000)
     lock = threading.Lock()
     state = {"holding": 0, "peak": 0, "denied": 0}
     conns = [pg_connect() for _ in range(THREADS)]
@@ -335,13 +334,13 @@ def test_autocommit_acquire_is_released_at_once(pg, shared_redis):
     identity = new_ident("slot_auto")
     for _ in range(3):
         assert acquire(pg, identity, 1, 60000) == (True, 1, 0, 60000, 0)
-    assert exists(shared_redis, key_of("concurrency", identity)) == 0
+    assert exists(shared_redis, key_of("concurrency", identity, lim=1, window_ms=60000)) == 0
 
 
 @pytest.mark.parametrize("ending", ["commit", "rollback", "error"])
 def test_transaction_end_releases_slot(shared_redis, ending):
     identity = new_ident("slot_" + ending)
-    key = key_of("concurrency", identity)
+    key = key_of("concurrency", identity, lim=1, window_ms=60000)
     with pg_connect() as a, pg_connect() as b:
         a.execute("BEGIN")
         got = acquire(a, identity, 1, 60000)
@@ -369,7 +368,7 @@ def test_transaction_end_releases_slot(shared_redis, ending):
 
 def test_release_inside_transaction(shared_redis):
     identity = new_ident("slot_release")
-    key = key_of("concurrency", identity)
+    key = key_of("concurrency", identity, lim=2, window_ms=60000)
     release = "SELECT rl_concurrency_release(%s)"
     with pg_connect() as a, pg_connect() as b:
         assert a.execute(release, (identity,)).fetchone()[0] is False  # holds none
@@ -395,9 +394,11 @@ def test_release_inside_transaction(shared_redis):
 def test_ended_lease_is_taken_over(shared_redis):
     """On the test clock: once a holder's lease has ended its slot goes to
     someone else, and the old holder's release or COMMIT does not free the
-    new holder's slot."""
+    new holder's slot. (Every call names the same limit, 1 slot with a 30 s
+    lease: an explicit limit is part of the key, so another lease would be
+    another counter.)"""
     identity = new_ident("slot_lease")
-    key = key_of("concurrency", identity)
+    key = key_of("concurrency", identity, lim=1, window_ms=30000)
     release = "SELECT rl_concurrency_release(%s)"
     with pg_connect() as a, pg_connect() as b:
         set_gucs(a, test_clock_ms=TEST_CLOCK_MS)
@@ -407,11 +408,11 @@ def test_ended_lease_is_taken_over(shared_redis):
         assert acquire(b, identity, 1, 30000) == (False, 1, 0, 1, 1)
         set_gucs(b, test_clock_ms=TEST_CLOCK_MS + 30000)
         b.execute("BEGIN")
-        assert acquire(b, identity, 1, 60000) == (True, 1, 0, 60000, 0)
+        assert acquire(b, identity, 1, 30000) == (True, 1, 0, 30000, 0)
         assert a.execute(release, (identity,)).fetchone()[0] is False  # its lease had ended
         assert shared_redis.command("ZCARD", key) == 1
         set_gucs(a, test_clock_ms=TEST_CLOCK_MS + 30000)
-        assert acquire(a, identity, 1, 60000)[0] is False
+        assert acquire(a, identity, 1, 30000)[0] is False
         a.execute("COMMIT")
         assert shared_redis.command("ZCARD", key) == 1
         b.execute("COMMIT")
@@ -423,7 +424,7 @@ def test_terminated_backend_releases_slot(pg, shared_redis):
     aborts its transaction on the way out, which gives the slot back at once
     (the 60 s lease could not explain a quick return)."""
     identity = new_ident("slot_term")
-    key = key_of("concurrency", identity)
+    key = key_of("concurrency", identity, lim=1, window_ms=60000)
     a = pg_connect()
     try:
         a.execute("BEGIN")
@@ -451,7 +452,7 @@ def test_sigkilled_backend_slot_returns_after_lease(shared_redis):
     postmaster restart every backend; we reconnect with retries.)"""
     lease_ms = 10000  # long enough to outlast the crash restart
     identity = new_ident("slot_kill9")
-    key = key_of("concurrency", identity)
+    key = key_of("concurrency", identity, lim=1, window_ms=lease_ms)
     a = pg_connect()
     try:
         a.execute("BEGIN")
@@ -742,7 +743,7 @@ def test_sliding_counter_vs_sliding_log(pg, fixed_clock, stream, seed):
 def test_peek_consumes_nothing(pg, shared_redis, fixed_clock, algorithm):
     lim, W = 10, 60000
     identity = new_ident("peek_" + algorithm)
-    key = key_of(algorithm, identity)
+    key = key_of(algorithm, identity, lim=lim, window_ms=W)
     # on a fresh identity: full, and no state is written
     assert decide(pg, algorithm, identity, lim, W, 0)[:3] == (True, lim, lim)
     assert exists(shared_redis, key) == 0
@@ -774,7 +775,7 @@ def test_peek_of_policy_consumes_nothing(pg, fixed_clock, policies, algorithm):
 def test_refund_never_exceeds_lim(pg, shared_redis, fixed_clock, algorithm):
     lim, W = 10, 60000
     identity = new_ident("refund_" + algorithm)
-    key = key_of(algorithm, identity)
+    key = key_of(algorithm, identity, lim=lim, window_ms=W)
     # on a fresh identity: nothing to give back, no state written
     assert refund(pg, algorithm, identity, lim, W, 5)[:3] == (True, lim, lim)
     assert exists(shared_redis, key) == 0
@@ -818,8 +819,9 @@ def probe(pg, redis, algorithm, identity, lim, W, cost, at_ms, burst=None):
     of the identity's state (Redis COPY to a probe identity), so the real
     state is left alone."""
     probe_id = identity + ":probe"
-    redis.command("DEL", key_of(algorithm, probe_id))
-    redis.command("COPY", key_of(algorithm, identity), key_of(algorithm, probe_id))
+    probe_key = key_of(algorithm, probe_id, lim=lim, window_ms=W, burst=burst)
+    redis.command("DEL", probe_key)
+    redis.command("COPY", key_of(algorithm, identity, lim=lim, window_ms=W, burst=burst), probe_key)
     set_gucs(pg, test_clock_ms=at_ms)
     return decide(pg, algorithm, probe_id, lim, W, cost, burst)
 
@@ -848,7 +850,7 @@ def test_retry_after_and_reset_are_exact(pg, shared_redis, algorithm, burst):
     now = TEST_CLOCK_MS + 12345
     late = []  # (what, step, call, probe): a wait 1 ms longer than needed
     expired = 0
-    key = key_of(algorithm, identity)
+    key = key_of(algorithm, identity, lim=lim, window_ms=W, burst=burst)
     for step in range(STEPS):
         gap = rnd.choice([0, 0, 1, rnd.randint(1, 999), rnd.randint(1, W // 4),
                           rnd.randint(W // 2, 2 * W)])
@@ -898,7 +900,7 @@ def test_retry_after_and_reset_are_exact(pg, shared_redis, algorithm, burst):
                 got = probe(pg, shared_redis, algorithm, identity, lim, W, 0, now + reset - 2, burst)
                 assert got[2] < cap, "%s; at +reset-2: %r" % (where, got)
         set_gucs(pg, test_clock_ms=now)
-    for k in (key, key_of(algorithm, identity + ":probe")):
+    for k in (key, key_of(algorithm, identity + ":probe", lim=lim, window_ms=W, burst=burst)):
         shared_redis.command("DEL", k)
     print("\n%s burst %s: %d of %d steps not probed (expired in real time)"
           % (algorithm, burst, expired, STEPS))
@@ -919,12 +921,12 @@ def test_reset_removes_every_key(pg, shared_redis, policies):
 
     fill(identity)
     fill(other)
-    keys = [key_of(alg, identity) for alg in ALGORITHMS]
+    keys = [key_of(alg, identity, lim=10, window_ms=W) for alg in ALGORITHMS]
     keys += [key_of(alg, identity, names[alg]) for alg in ALGORITHMS]
-    other_keys = [key_of(alg, other) for alg in ALGORITHMS]
+    other_keys = [key_of(alg, other, lim=10, window_ms=W) for alg in ALGORITHMS]
     other_keys += [key_of(alg, other, names[alg]) for alg in ALGORITHMS]
-    slot_key = key_of("concurrency", identity)
-    other_slot_key = key_of("concurrency", other)
+    slot_key = key_of("concurrency", identity, lim=1, window_ms=60000)
+    other_slot_key = key_of("concurrency", other, lim=1, window_ms=60000)
 
     with pg_connect() as holder:
         holder.execute("BEGIN")

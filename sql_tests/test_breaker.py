@@ -8,7 +8,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import new_ident, use_redis
+from conftest import new_ident, rl_key, use_redis
 from test_faults import allow, collect_notices, timed_error, warnings_of
 
 ALLOW = "SELECT rl_sliding_allow(%s, 1000, 600000)"
@@ -62,7 +62,7 @@ def test_breaker_fails_fast_then_retries(pg, redis_factory):
     pg.execute("SET rl_redis.retry_interval = 1")
     time.sleep(0.05)
     assert allow(pg, identity) is True
-    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+    assert int(r.cli("EXISTS", rl_key("sliding", identity, lim=1000, window_ms=600000))) == 1
 
 
 def test_one_warning_per_outage_and_recovery_logged(pg, redis_factory):
@@ -100,8 +100,8 @@ def test_ping_always_tries(pg, redis_factory):
     assert allow(pg, identity) is True
     r.start()
     assert allow(pg, identity) is True  # breaker open: not tried
-    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 0
+    assert int(r.cli("EXISTS", rl_key("sliding", identity, lim=1000, window_ms=600000))) == 0
     server, rtt = pg.execute("SELECT * FROM rl_redis_ping()").fetchone()
     assert server == "127.0.0.1:%d" % r.port and rtt >= 0
     assert allow(pg, identity) is True
-    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+    assert int(r.cli("EXISTS", rl_key("sliding", identity, lim=1000, window_ms=600000))) == 1

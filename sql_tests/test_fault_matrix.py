@@ -33,6 +33,7 @@ from conftest import new_ident, pg_connect, set_gucs, use_redis
 from test_faults import (
     Victim,
     allow,
+    allow_key,
     collect_notices,
     in_sync_call,
     timed_error,
@@ -149,7 +150,7 @@ def test_client_kill_between_calls(pg, redis_factory):
     # one new connection did all five calls
     (second_client,) = script_clients(r)
     assert second_client != first_client
-    assert int(r.cli("ZCARD", "rl:sliding:{%s}" % identity)) == 6
+    assert int(r.cli("ZCARD", allow_key(identity))) == 6
 
     # a kill before every call: each one reconnects without an error
     for i in range(5):
@@ -158,7 +159,7 @@ def test_client_kill_between_calls(pg, redis_factory):
         note("1 CLIENT KILL", "call right after kill #%d" % (i + 1), elapsed)
         assert value is True
         assert elapsed < 2.0, (i, elapsed)
-    assert int(r.cli("ZCARD", "rl:sliding:{%s}" % identity)) == 11
+    assert int(r.cli("ZCARD", allow_key(identity))) == 11
     assert_usable(pg, pid)
 
 
@@ -366,7 +367,7 @@ def test_read_only_replica(pg, redis_factory):
     use_redis(pg, a, on_error="error")
     assert allow(pg, identity) is True
     deadline = time.monotonic() + 10
-    while int(b.cli("EXISTS", "rl:sliding:{%s}" % identity)) != 1:
+    while int(b.cli("EXISTS", allow_key(identity))) != 1:
         assert time.monotonic() < deadline, "the write never reached the replica"
         time.sleep(0.05)
     assert_usable(pg, pid)
@@ -414,7 +415,7 @@ def test_wrong_password_never_shown(pg, redis_factory, on_error):
 
     set_gucs(pg, password=REDIS_PASSWORD)
     assert_usable(pg, pid)
-    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 0
+    assert int(r.cli("EXISTS", allow_key(identity))) == 0
 
 
 def test_acl_user_without_evalsha(pg, redis_factory):

@@ -6,6 +6,8 @@ Redis "hangs" are SIGSTOP: the kernel still accepts the connection and the
 request, nothing answers.
 """
 
+import os
+import pwd
 import threading
 import time
 
@@ -13,12 +15,19 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import new_ident, pg_connect, set_gucs, use_redis
+from conftest import new_ident, pg_connect, rl_key, set_gucs, use_redis
 
 LONG_WINDOW_MS = 600000
 
 ALLOW = "SELECT rl_sliding_allow(%s, 1000, 600000)"
 FIXED_ALLOW = "SELECT rl_fixed_allow(%s, 1000, 600000)"
+# what an ordinary role needs to run ALLOW (1.3: not executable by PUBLIC)
+ALLOW_FUNCTION = "rl_sliding_allow(text, integer, bigint, integer)"
+
+
+def allow_key(identity, prefix="rl:"):
+    """The Redis key ALLOW writes (explicit keys carry lim/window_ms)."""
+    return rl_key("sliding", identity, lim=1000, window_ms=600000, prefix=prefix)
 
 
 def allow(conn, identity, query=ALLOW):
@@ -275,7 +284,7 @@ def test_redis_restart_on_error_allow(pg, redis_factory):
     r.start()
     assert [allow(pg, identity) for _ in range(3)] == [True, True, True]
     # and the calls after the restart really reached the new Redis
-    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+    assert int(r.cli("EXISTS", allow_key(identity))) == 1
 
 
 def test_script_flush_is_transparent(pg, redis_factory):
@@ -384,7 +393,9 @@ def test_redis_error_reply(pg, redis_factory):
     r = redis_factory()
     use_redis(pg, r, on_error="error")
     identity = new_ident("wrongtype")
-    assert int(r.cli("RPUSH", "rl:fixed:{%s}" % identity, "x")) == 1
+    # the key of rl_fixed(identity, 5, 60000) and rl_fixed_allow(identity, 5, 60000)
+    fixed_key = rl_key("fixed", identity, lim=5, window_ms=60000)
+    assert int(r.cli("RPUSH", fixed_key, "x")) == 1
 
     err, _ = timed_error(pg, "SELECT rl_fixed(%s, 5, 60000)", (identity,))
     assert err.sqlstate == "08000", repr(err)
@@ -402,7 +413,7 @@ def test_redis_error_reply(pg, redis_factory):
     assert len(w) == 1, notices
     assert "WRONGTYPE" in w[0].message_primary, w[0].message_primary
     # the list was not touched
-    assert r.cli("LRANGE", "rl:fixed:{%s}" % identity, "0", "-1") == "x"
+    assert r.cli("LRANGE", fixed_key, "0", "-1") == "x"
 
 
 # ------------------------------------------------------------ GUC changes
@@ -428,8 +439,9 @@ def test_guc_change_reconnects(pg, redis_factory):
     pg.execute("RESET rl_redis.port")
     assert allow(pg, identity, query) is True
 
-    assert int(a.cli("ZCARD", "rl:sliding:{%s}" % identity)) >= 1
-    assert int(b.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+    key = rl_key("sliding", identity, lim=2, window_ms=600000)
+    assert int(a.cli("ZCARD", key)) >= 1
+    assert int(b.cli("EXISTS", key)) == 1
 
 
 def test_key_prefix_guc(pg, redis_factory):
@@ -437,8 +449,10 @@ def test_key_prefix_guc(pg, redis_factory):
     use_redis(pg, r, key_prefix="other:")
     identity = new_ident("prefix")
     assert allow(pg, identity, "SELECT rl_fixed_allow(%s, 5, 600000)") is True
-    assert int(r.cli("EXISTS", "other:fixed:{%s}" % identity)) == 1
-    assert int(r.cli("EXISTS", "rl:fixed:{%s}" % identity)) == 0
+    assert int(r.cli("EXISTS", rl_key("fixed", identity, lim=5, window_ms=600000,
+                                      prefix="other:"))) == 1
+    assert int(r.cli("EXISTS", rl_key("fixed", identity, lim=5, window_ms=600000))) == 0
+    assert r.cli("KEYS", "rl:*") == ""  # nothing at all under the default prefix
 
 
 # ------------------------------------------------------------ AUTH, privileges
@@ -463,17 +477,50 @@ def test_auth_password(pg, redis_factory):
 
     pg.execute("SET rl_redis.password = 'secret'")
     assert allow(pg, identity) is True
-    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+    assert int(r.cli("EXISTS", allow_key(identity))) == 1
+
+
+def password_file(password):
+    """A file with the password on its first line, readable by the cluster's
+    owner only (0600, owned by postgres when the tests run as root), in the
+    test cluster's folder. Returns its path."""
+    path = os.path.join(os.environ["RL_DIR"], "redis-password-%s" % new_ident().split(":")[-1])
+    with open(path, "w") as f:
+        f.write(password + "\n")
+    os.chmod(path, 0o600)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+    return path
+
+
+def create_app_role(pg):
+    """An ordinary LOGIN role that may run ALLOW (1.3: the explicit-argument
+    functions are not executable by PUBLIC, an administrator grants them)."""
+    role = "rl_pytest_%s" % new_ident().split(":")[-1][:16]
+    pg.execute('CREATE ROLE "%s" LOGIN' % role)
+    pg.execute('GRANT EXECUTE ON FUNCTION %s TO "%s"' % (ALLOW_FUNCTION, role))
+    return role
+
+
+def drop_app_role(pg, role):
+    pg.execute('DROP OWNED BY "%s"' % role)  # and its privileges
+    pg.execute('DROP ROLE "%s"' % role)
 
 
 def test_non_superuser_cannot_set_or_read_connection_gucs(pg, redis_factory):
     password = "pw-" + new_ident("role").split(":")[-1]
     r = redis_factory(password=password)
-    role = "rl_pytest_%s" % new_ident().split(":")[-1][:16]
-    pg.execute('CREATE ROLE "%s" LOGIN' % role)
-    # as superuser: the role's sessions use the password-protected Redis
+    path = password_file(password)
+    role = create_app_role(pg)
+    # as superuser: the role's sessions use the password-protected Redis. A
+    # role setting is readable by every role, so the password itself may not
+    # be one (1.3: 22023); the role gets the file that holds it.
     pg.execute('ALTER ROLE "%s" SET rl_redis.port = %d' % (role, r.port))
-    pg.execute("ALTER ROLE \"%s\" SET rl_redis.password = '%s'" % (role, password))
+    with pytest.raises(psycopg.Error) as excinfo:
+        pg.execute("ALTER ROLE \"%s\" SET rl_redis.password = '%s'" % (role, password))
+    assert excinfo.value.sqlstate == "22023", repr(excinfo.value)
+    pg.execute("ALTER ROLE \"%s\" SET rl_redis.password_file = '%s'" % (role, path))
     conn = None
     try:
         conn = pg_connect(user=role)
@@ -487,6 +534,7 @@ def test_non_superuser_cannot_set_or_read_connection_gucs(pg, redis_factory):
             "SET rl_redis.port = 1",
             "SET rl_redis.on_error = 'allow'",
             "SET rl_redis.password = 'x'",
+            "SET rl_redis.password_file = '/tmp/x'",
             "SET rl_redis.host = '10.0.0.1'",
         ):
             with pytest.raises(psycopg.Error) as excinfo:
@@ -502,6 +550,7 @@ def test_non_superuser_cannot_set_or_read_connection_gucs(pg, redis_factory):
             "SELECT current_setting('rl_redis.password')",
             "SELECT setting FROM pg_settings WHERE name = 'rl_redis.password'",
             "SELECT string_agg(setting, ',') FROM pg_settings WHERE name LIKE 'rl_redis.%'",
+            "SELECT * FROM pg_db_role_setting",
         ):
             try:
                 rows = conn.execute(query).fetchall()
@@ -514,17 +563,18 @@ def test_non_superuser_cannot_set_or_read_connection_gucs(pg, redis_factory):
         # still usable, still on the protected Redis, nothing changed
         assert allow(conn, identity) is True
         assert conn.execute("SHOW rl_redis.port").fetchone()[0] == str(r.port)
+        assert int(r.cli("ZCARD", allow_key(identity))) == 2
     finally:
         if conn is not None:
             conn.close()
-        pg.execute('DROP ROLE "%s"' % role)
+        drop_app_role(pg, role)
+        os.unlink(path)
 
 
 def test_non_superuser_cannot_set_timeouts(pg):
     """The timeouts are superuser-only: with on_error = allow, a 1 ms timeout
     would let an ordinary role make its own calls fail open."""
-    role = "rl_pytest_%s" % new_ident().split(":")[-1][:16]
-    pg.execute('CREATE ROLE "%s" LOGIN' % role)
+    role = create_app_role(pg)
     conn = None
     try:
         conn = pg_connect(user=role)
@@ -539,7 +589,7 @@ def test_non_superuser_cannot_set_timeouts(pg):
     finally:
         if conn is not None:
             conn.close()
-        pg.execute('DROP ROLE "%s"' % role)
+        drop_app_role(pg, role)
 
 
 # ------------------------------------------------------------ Unix socket
@@ -551,22 +601,28 @@ def test_unix_socket(pg, redis_factory):
     identity = new_ident("unix")
     query = "SELECT rl_sliding_allow(%s, 2, 600000)"
     assert [allow(pg, identity, query) for _ in range(3)] == [True, True, False]
-    assert int(r.cli("EXISTS", "rl:sliding:{%s}" % identity)) == 1
+    assert int(r.cli("EXISTS", rl_key("sliding", identity, lim=2, window_ms=600000))) == 1
     assert pg.execute("SELECT (rl_redis_ping()).server").fetchone()[0] is not None
 
 
 def test_abort_after_interrupted_wait_does_not_wait_again(pg, redis_factory):
     """A transaction that holds a concurrency slot and has a refund pending
-    is cancelled while Redis hangs: its end does not wait on Redis again
-    (the slot ends with its lease, the refund is logged as lost)."""
+    is cancelled while Redis hangs: its end does not wait on Redis again.
+    The interrupted call's connection is dropped, so the slot release and
+    the refund cannot be sent at the ROLLBACK: they are queued, a WARNING
+    says so, and the session's next call sends them first (1.3; before,
+    they were lost)."""
     r = redis_factory()
     use_redis(pg, r, on_error="error", command_timeout=5000, refund_on_abort="all")
     identity = new_ident("abort_hung")
+    slot_key = rl_key("concurrency", identity, lim=2, window_ms=60000)
     notices = collect_notices(pg)
     pg.execute("BEGIN")
     assert pg.execute("SELECT rl_concurrency_acquire_allow(%s, 2, 60000)",
                       (identity,)).fetchone()[0] is True
     assert allow(pg, identity) is True
+    assert int(r.cli("ZCARD", slot_key)) == 1
+    assert int(r.cli("ZCARD", allow_key(identity))) == 1
     r.pause()
     pg.execute("SET LOCAL statement_timeout = '300ms'")
     t0 = time.monotonic()
@@ -574,12 +630,20 @@ def test_abort_after_interrupted_wait_does_not_wait_again(pg, redis_factory):
         pg.execute(ALLOW, (identity,))
     pg.execute("ROLLBACK")
     assert time.monotonic() - t0 < 1.5  # not 300 ms + 2 x command_timeout
-    messages = [n.message_primary for n in warnings_of(notices)]
-    assert "a concurrency slot was not given back" in messages, messages
-    assert "rate-limit units taken in the aborted transaction were not given back" in messages, messages
+    warned = warnings_of(notices)
+    assert warned, "no WARNING that the transaction end's work was not sent"
+    assert any("next call" in (n.message_detail or "") for n in warned), [
+        (n.message_primary, n.message_detail) for n in warned]
     r.resume()
-    # the session works again, on a new connection
+    # nothing was sent yet: the slot is still taken
+    assert int(r.cli("ZCARD", slot_key)) == 1
+    # the session works again, on a new connection, and its next call sends
+    # the queued release and refund first: the slot is free and the units of
+    # the rolled-back transaction (the cancelled call's too, if Redis ran it
+    # once it woke) are given back
     assert allow(pg, new_ident("abort_hung_after")) is True
+    assert int(r.cli("EXISTS", slot_key)) == 0
+    assert int(r.cli("EXISTS", allow_key(identity))) == 0
 
 
 def test_reload_with_same_settings_keeps_the_connection(pg, redis_factory):

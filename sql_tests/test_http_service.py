@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from conftest import free_port, new_ident, pg_connect, same_fixed_window
+from conftest import free_port, new_ident, pg_connect, rl_key, same_fixed_window
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(ROOT, "examples", "http_service", "server.py")
@@ -286,9 +286,10 @@ def test_quota_exhaustion(service, shared_redis, endpoint):
     for resp in got[limit:]:
         check_denied(resp, limit, window)
 
-    # the identity went to the extension as given: its key is in Redis, and
-    # the denied calls took nothing
-    key = "rl:%s:{%s}" % (KEY_ALG[endpoint], identity)
+    # the identity went to the extension as given: its key (which carries
+    # the limit and the window in ms) is in Redis, and the denied calls took
+    # nothing
+    key = rl_key(KEY_ALG[endpoint], identity, lim=limit, window_ms=window * 1000)
     if endpoint == FIXED:
         assert shared_redis.command("HGET", key, "n") == str(limit)
     else:
@@ -480,7 +481,7 @@ def test_identity_passed_as_given(service, shared_redis):
     # no trimming, no prefixing: the key is the identity byte for byte
     identity = " " + new_ident("http-asis") + ":ü "
     check_allowed(service.decide(SLIDING, identity, 3, 60), 3, 2, 60)
-    assert shared_redis.command("ZCARD", "rl:sliding:{%s}" % identity) == 1
+    assert shared_redis.command("ZCARD", rl_key("sliding", identity, lim=3, window_ms=60000)) == 1
     check_allowed(service.decide(SLIDING, identity.strip(), 3, 60), 3, 2, 60)
 
 

@@ -38,6 +38,12 @@ level at a time (ROLLBACK TO the inner savepoint, SET, RELEASE it, ...),
 which gives the same charges back at the same moment; a direct multi-level
 ROLLBACK (TO) is used whenever the clock has not moved since the inner
 savepoints were made.
+
+A refund is written to Redis at the (sub)transaction end without waiting for
+its reply (1.3: bounded transaction end); the session reads the reply before
+its next command. Another session's call made right after the ROLLBACK may
+reach Redis before the refund does, so after every rollback the rolling-back
+session itself peeks first (Walk.sync), and only then do others look.
 """
 
 import math
@@ -476,6 +482,20 @@ class Walk:
         if (got[0], got[1], got[2]) != (want[0], self.cap, want[1]):
             self.fail("after %s: peek (allowed, lim, remaining) = %r, model %r" % (when, got[:3], (want[0], self.cap, want[1])))
 
+    def sync(self, actor):
+        """A peek in the session that rolled back. The refund of a rollback
+        is written to Redis at the (sub)transaction end without waiting for
+        its reply, which the session reads before its next command; another
+        session's call can reach Redis first (Redis reads a long EVAL in
+        pieces and serves other clients in between). Once the rolling-back
+        session's own next call has returned, the refund has been applied."""
+        set_clock(actor.conn, self.now)
+        got = peek(actor.conn, self.alg, self.identity, self.lim, self.window, self.burst)
+        want = self.model.decide(self.now, 0)
+        self.note("%s: peek (sync) -> remaining %d, model %d" % (actor.name, got[2], want[1]))
+        if (got[0], got[2]) != want:
+            self.fail("%s's own peek after its rollback: %r, model %r" % (actor.name, got[:3], want))
+
     def pick_cost(self):
         c = self.rng.choice([0, 1, 1, 1, 1, 2, 2, 3, self.cap // 2, self.cap, self.cap + 1])
         return max(c, 0)
@@ -539,6 +559,7 @@ class Walk:
                 self.undo([ch], "exception block")
             elif actor.levels is not None:
                 actor.levels[-1].charges.append(ch)
+        self.sync(actor)
 
     def savepoint(self, actor):
         self.sp += 1
@@ -573,6 +594,7 @@ class Walk:
             self.undo(lvl.charges, "rollback to " + actor.levels[i].name)
             lvl.charges = []
         del actor.levels[i + 1:]
+        self.sync(actor)
 
     def commit(self, actor):
         self.run(actor, "COMMIT")
@@ -584,10 +606,13 @@ class Walk:
         for lvl in actor.levels:
             self.undo(lvl.charges, "rollback")
         actor.levels = None
+        self.sync(actor)
 
     def error(self, actor):
         """An error aborts the innermost level at once (its charges come back
-        then); the session must roll back before going on."""
+        then); the session rolls back the failed level (a whole transaction,
+        or ROLLBACK TO the innermost savepoint, which gives nothing more
+        back) and syncs."""
         set_clock(actor.conn, self.now)
         self.note("%s: SELECT 1 / 0  -- error" % actor.name)
         try:
@@ -600,6 +625,8 @@ class Walk:
         self.undo(innermost.charges, "error")
         innermost.charges = []
         actor.aborted = True
+        self.recover(actor)
+        self.sync(actor)
 
     def recover(self, actor):
         if len(actor.levels) == 1:
@@ -717,6 +744,8 @@ def test_refund_never_gives_back_a_passed_window(sessions, algorithm):
     assert decide(b, algorithm, identity, lim, WINDOW_MS, 5)[:3] == (True, 5, 0)  # autocommit
     set_clock(a, t1)
     a.execute("ROLLBACK")
+    assert peek(a, algorithm, identity, lim, WINDOW_MS)[:3] == (True, 5, 0), \
+        "the rollback gave back units of a window (or refill) that had passed"
     assert peek(b, algorithm, identity, lim, WINDOW_MS)[:3] == (True, 5, 0), \
         "the rollback gave back units of a window (or refill) that had passed"
     assert decide(b, algorithm, identity, lim, WINDOW_MS, 1)[:3] == (False, 5, 0)
@@ -740,6 +769,7 @@ def test_sliding_counter_refund_from_previous_window(sessions):
     assert decide(b, "sliding_counter", identity, 5, WINDOW_MS, 2)[:3] == (True, 5, 0)
     set_clock(a, t1)
     a.execute("ROLLBACK")
+    assert peek(a, "sliding_counter", identity, 5, WINDOW_MS)[:3] == (True, 5, 3)
     assert peek(b, "sliding_counter", identity, 5, WINDOW_MS)[:3] == (True, 5, 3)
 
 
@@ -765,6 +795,7 @@ def test_guard_refund_never_gives_back_a_passed_window(sessions, policies, table
     b.execute(insert, (tenant,))
     set_clock(a, t1)
     a.execute("ROLLBACK")
+    assert policy_peek(a, policy, tenant)[:3] == (True, 5, 0)
     assert policy_peek(b, policy, tenant)[:3] == (True, 5, 0)
     with pytest.raises(psycopg.Error) as excinfo:
         b.execute("INSERT INTO %s (tenant) VALUES (%%s)" % table, (tenant,))

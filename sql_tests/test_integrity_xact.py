@@ -455,7 +455,9 @@ def test_policy_read_with_old_snapshot_is_not_kept(env):
     assert {p: _lim(a, p) for p in (fresh, cached)} == {fresh: 1, cached: 1}
     a.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     assert {p: _lim(a, p) for p in (fresh, cached)} == {fresh: 1, cached: 1}
-    a.execute("COMMIT")
+    env.pg.execute("DELETE FROM rl_policy WHERE name = %s", (fresh,))
+    assert sqlstate_of(a, "SELECT rl_check(%s, 'x', 0)", (fresh,)) == "42704"
+    a.execute("ROLLBACK")
 
 
 # ============================================================ 3. COMMIT never hangs
@@ -667,9 +669,10 @@ def test_terminate_with_hung_redis_holding_slot(env, redis_factory, kind):
 def test_interrupted_call_does_not_strand_slots(env, redis_factory, kind):
     """Item 14: slots held by a transaction whose call was cancelled (Redis
     stopped, statement_timeout) are released by the session's next call, not
-    by the lease."""
+    by the lease. (Not covered: the slot of a cancelled acquire itself, which
+    the README documents may be held until its lease ends.)"""
     r = redis_factory()
-    lim = 2
+    lim = 3
     policy = env.policy("concurrency", lim, LEASE_MS) if kind == "policy" else None
     conn = env.connect()
     use_redis(conn, r)
@@ -677,7 +680,7 @@ def test_interrupted_call_does_not_strand_slots(env, redis_factory, kind):
     identity = new_ident("interrupted")
 
     conn.execute("BEGIN")
-    assert [acquire(conn, kind, policy, identity, lim) for _ in range(lim + 1)] == [True] * lim + [False]
+    assert [acquire(conn, kind, policy, identity, lim) for _ in range(2)] == [True, True]
     conn.execute("SET LOCAL statement_timeout = '300ms'")
     r.pause()
     try:
@@ -787,8 +790,8 @@ def test_slot_follows_exception_block(env, kind):
 
 
 def test_refund_bookkeeping_is_bounded(env):
-    """Item 3: 200 000 guarded rows of 10 tenants and 2 500 exception blocks
-    that raise, in one transaction, keep the refund bookkeeping small
+    """Item 3: 200 000 guarded rows of 10 tenants, 2 500 exception blocks
+    that raise and 2 500 that do not, in one transaction, keep the refund bookkeeping small
     (O(keys), not O(rows), and a subtransaction costs O(its own keys)); the
     ROLLBACK still gives every unit back."""
     lim = 2000000000
@@ -798,6 +801,7 @@ def test_refund_bookkeeping_is_bounded(env):
     tenant = new_ident("bulk")
     tenants = ["%s:%d" % (tenant, i) for i in range(10)]
     other_tenant = tenant + ":sub"
+    kept_tenant = tenant + ":released"
     before = sum(c[2] for c in memory_contexts(conn))
 
     conn.execute("BEGIN")
@@ -811,11 +815,15 @@ def test_refund_bookkeeping_is_bounded(env):
             "DO $$ BEGIN FOR i IN 1..2500 LOOP BEGIN INSERT INTO {} (tenant) VALUES ({}); "
             "RAISE EXCEPTION 'undo'; EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $$"
         ).format(sql.Identifier(table), sql.Literal(other_tenant)))
+        conn.execute(sql.SQL(
+            "DO $$ BEGIN FOR i IN 1..2500 LOOP BEGIN INSERT INTO {} (tenant) VALUES ({}); "
+            "EXCEPTION WHEN raise_exception THEN NULL; END; END LOOP; END $$"
+        ).format(sql.Identifier(table), sql.Literal(kept_tenant)))
         t2 = time.monotonic()
         contexts = memory_contexts(conn)
         xact = subtree_bytes(contexts, "TopTransactionContext")
         total = sum(c[2] for c in contexts)
-        print("\n[bookkeeping: insert %.1f s, 2500 blocks %.1f s, TopTransactionContext %.1f MB, "
+        print("\n[bookkeeping: insert %.1f s, 5000 blocks %.1f s, TopTransactionContext %.1f MB, "
               "backend %.1f MB (%.1f before)]" % (t1 - t0, t2 - t1, xact / 2**20, total / 2**20, before / 2**20),
               end="")
         assert xact < 64 * 2**20, top_contexts(contexts)
@@ -823,9 +831,132 @@ def test_refund_bookkeeping_is_bounded(env):
         # the charges are there (and the exception blocks gave theirs back)
         assert [peek(conn, policy, t) for t in tenants] == [(lim, lim - 20000)] * 10
         assert peek(conn, policy, other_tenant) == (lim, lim)
+        assert peek(conn, policy, kept_tenant) == (lim, lim - 2500)
     finally:
         conn.execute("ROLLBACK")
-    assert [peek(conn, policy, t) for t in tenants] == [(lim, lim)] * 10
+    assert [peek(conn, policy, t) for t in tenants + [kept_tenant]] == [(lim, lim)] * 11
+
+
+def _import_table(env, lim):
+    """A fixed-window policy and a table guarded by rl_guard_statement on it."""
+    policy = env.policy("fixed", lim, HUGE_WINDOW_MS)
+    name = "rl_integrity_%s" % uid()
+    env.pg.execute(sql.SQL("CREATE TABLE {} (tenant text NOT NULL)").format(sql.Identifier(name)))
+    env.tables.append(name)
+    env.pg.execute(sql.SQL(
+        "CREATE TRIGGER guard AFTER INSERT ON {} REFERENCING NEW TABLE AS n FOR EACH STATEMENT "
+        "EXECUTE FUNCTION rl_guard_statement({}, 'tenant')").format(sql.Identifier(name), sql.Literal(policy)))
+    return policy, name
+
+
+def _unrefunded(conn, policy, prefix, n, step, lim, kept):
+    """How many of the tenants prefix||i (i = 1, 1+step, ...; not those of
+    kept, charged before) are not back to lim."""
+    return conn.execute(
+        "SELECT count(*) FROM generate_series(1, %s, %s) i, rl_check(%s, %s || i, 0) r "
+        "WHERE r.remaining <> %s AND NOT %s || i = ANY(%s)",
+        (n, step, policy, prefix, lim, prefix, kept)).fetchone()[0]
+
+
+def test_rollback_of_big_import_refunds_every_tenant(env):
+    """Item 3: a statement-guarded import of 100 000 tenants (identities of
+    ~110 bytes) rolled back with Redis healthy: the bookkeeping stays small
+    (1.2: 127 MB) and every tenant gets its unit back (a refund larger than
+    any internal queue limit must still be sent, e.g. in parts)."""
+    n, lim = 100000, 1000
+    policy, table = _import_table(env, lim)
+    conn = env.connect()
+    set_gucs(conn, command_timeout=60000)  # one script call for 100 000 keys
+    notices = collect_notices(conn)
+    prefix = new_ident("import") + "x" * 60 + ":"
+    kept = [prefix + "1", prefix + "50001", prefix + "100000"]
+    conn.execute(sql.SQL("INSERT INTO {} (tenant) SELECT unnest(%s::text[])").format(sql.Identifier(table)), (kept,))
+
+    conn.execute("BEGIN")
+    try:
+        conn.execute(sql.SQL("INSERT INTO {} (tenant) SELECT %s || i FROM generate_series(1, %s) i")
+                     .format(sql.Identifier(table)), (prefix, n))
+        contexts = memory_contexts(conn)
+        xact = subtree_bytes(contexts, "TopTransactionContext")
+        print("\n[import of %d tenants: TopTransactionContext %.1f MB]" % (n, xact / 2**20), end="")
+        assert xact < 64 * 2**20, top_contexts(contexts)
+        assert [peek(conn, policy, t)[1] for t in kept] == [lim - 2] * 3
+    finally:
+        conn.execute("ROLLBACK")
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    assert [peek(conn, policy, t)[1] for t in kept] == [lim - 1] * 3
+    assert _unrefunded(conn, policy, prefix, n, 97, lim, kept) == 0
+    assert [w for w in notices if w.severity == "WARNING"] == []
+
+
+def test_big_refund_with_hung_redis(env, redis_factory):
+    """Item 5: a refund bigger than the socket buffers, at a ROLLBACK with
+    Redis stopped (command_timeout = 0): the ROLLBACK returns within the
+    budget having sent part of it; after SIGCONT the session's next call
+    sends the rest, and every unit comes back exactly once."""
+    n, lim = 80000, 1000
+    policy, table = _import_table(env, lim)
+    r = redis_factory()
+    conn = env.connect()
+    use_redis(conn, r, command_timeout=0)
+    collect_notices(conn)
+    prefix = new_ident("bigrefund") + "x" * 40 + ":"
+    kept = [prefix + "1", prefix + "40001", prefix + "80000"]
+    conn.execute(sql.SQL("INSERT INTO {} (tenant) SELECT unnest(%s::text[])").format(sql.Identifier(table)), (kept,))
+
+    conn.execute("BEGIN")
+    conn.execute(sql.SQL("INSERT INTO {} (tenant) SELECT %s || i FROM generate_series(1, %s) i")
+                 .format(sql.Identifier(table)), (prefix, n))
+    r.pause()
+    try:
+        _, elapsed = bounded(lambda: conn.execute("ROLLBACK"), r, XACT_END_BOUND_S, "ROLLBACK")
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        r.resume()
+    print("\n[ROLLBACK of a %d-key refund with Redis stopped: %.3f s]" % (n, elapsed), end="")
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    other = env.connect()
+    use_redis(other, r)
+    assert [peek(other, policy, t)[1] for t in kept] == [lim - 1] * 3
+    assert _unrefunded(other, policy, prefix, n, 89, lim, kept) == 0
+
+
+def test_queued_work_never_goes_to_another_server(env, redis_factory):
+    """Item 5/14: work a transaction end could not send to Redis A (here: a
+    refund, after a call to A was cancelled) belongs to A. When the session
+    is pointed at Redis B before its next call, B's counters must not be
+    touched (B never saw the rolled-back charge)."""
+    lim = 10
+    policy = env.policy("fixed", lim, HUGE_WINDOW_MS)
+    table = env.guarded_table(policy)
+    insert = sql.SQL("INSERT INTO {} (tenant) VALUES (%s)").format(sql.Identifier(table))
+    a, b = redis_factory(), redis_factory()
+    conn = env.connect()
+    collect_notices(conn)
+    tenant = new_ident("switch")
+
+    use_redis(conn, b)
+    for _ in range(5):
+        conn.execute(insert, (tenant,))
+    assert peek(conn, policy, tenant) == (lim, lim - 5)
+
+    use_redis(conn, a)
+    conn.execute("BEGIN")
+    conn.execute(insert, (tenant,))
+    conn.execute(insert, (tenant,))
+    conn.execute("SET LOCAL statement_timeout = '300ms'")
+    a.pause()
+    try:
+        assert sqlstate_of(conn, "SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("cancelled"),)) == "57014"
+    finally:
+        a.resume()
+    conn.execute("ROLLBACK")
+
+    use_redis(conn, b)
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    assert peek(conn, policy, tenant) == (lim, lim - 5)
+    time.sleep(0.3)
+    assert peek(conn, policy, tenant) == (lim, lim - 5)
 
 
 # ============================================================ 7. 2PC

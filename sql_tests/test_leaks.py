@@ -19,7 +19,7 @@ import time
 import pytest
 from psycopg import sql
 
-from conftest import new_ident, use_redis
+from conftest import new_ident, rl_key, use_redis
 
 KB = 1024
 MB = 1024 * 1024
@@ -203,7 +203,8 @@ def test_failed_calls_leave_no_fds(pg, redis_factory, failure):
 # A mix of algorithms, result types, allowed and denied decisions on a few
 # identities; every call is a real decision from Redis (on_error = error).
 # The sliding logs stay small: lim 100 per second (mostly denied), and a
-# lim of 100 000 (the largest a log takes) in a 1-second window.
+# lim of 100 000 (the largest a log takes: rl_redis.sliding_max_lim, 10 000
+# by default, is raised to its maximum for it) in a 1-second window.
 MIXED_BODY = """
     CASE i % 5
       WHEN 0 THEN ok := rl_fixed_allow({a}, 2000000000, 86400000);
@@ -216,7 +217,7 @@ MIXED_BODY = """
 
 def test_million_calls_do_not_grow_memory(pg, shared_redis):
     warm, n = 20000, 1000000
-    use_redis(pg, shared_redis, on_error="error")
+    use_redis(pg, shared_redis, on_error="error", sliding_max_lim=100000)
     pid = pg.info.backend_pid
     idents = {k: new_ident("mem" + k) for k in "abc"}
 
@@ -245,9 +246,12 @@ def test_error_replies_do_not_grow_memory(pg, redis_factory):
     warm, n = 1000, 10000
     r = redis_factory()
     identity = new_ident("wrongtype")
-    # every decision below gets a WRONGTYPE error reply from Redis
-    assert int(r.cli("RPUSH", "rl:fixed:{%s}" % identity, "x")) == 1
-    assert r.cli("SET", "rl:sliding:{%s}" % identity, "x") == "OK"
+    # every decision below gets a WRONGTYPE error reply from Redis (all of
+    # them are on lim 5 per 60 s: one key per algorithm)
+    fixed_key = rl_key("fixed", identity, lim=5, window_ms=60000)
+    sliding_key = rl_key("sliding", identity, lim=5, window_ms=60000)
+    assert int(r.cli("RPUSH", fixed_key, "x")) == 1
+    assert r.cli("SET", sliding_key, "x") == "OK"
     use_redis(pg, r, on_error="allow")
     quiet(pg)
     pid = pg.info.backend_pid
@@ -273,8 +277,8 @@ def test_error_replies_do_not_grow_memory(pg, redis_factory):
     assert rss_kb < 1024, (rss_kb, parts)
     assert ctx < MB, ctx
     # the keys were never touched, and the session still decides for real
-    assert r.cli("LRANGE", "rl:fixed:{%s}" % identity, "0", "-1") == "x"
-    assert r.cli("GET", "rl:sliding:{%s}" % identity) == "x"
+    assert r.cli("LRANGE", fixed_key, "0", "-1") == "x"
+    assert r.cli("GET", sliding_key) == "x"
     pg.execute("SET rl_redis.on_error = error")
     assert pg.execute("SELECT rl_gcra_allow(%s, 5, 60000)", (identity,)).fetchone()[0] is True
     assert pg.execute("SELECT pg_backend_pid()").fetchone()[0] == pid

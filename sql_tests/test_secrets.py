@@ -280,6 +280,35 @@ def test_password_file(pg, redis_factory, app_role, policy):
             err = decide_error(new_ident("pwfile"))
             assert err.sqlstate == "08001" and "is empty" in str(err), str(err)
 
+            with open(path, "w") as f:
+                f.write("x" * 100000 + "\n")
+            err = decide_error(new_ident("pwfile"))
+            assert err.sqlstate == "08001" and "is longer than" in str(err), str(err)
+            with open(path, "w") as f:
+                f.write(password[:4] + "\0" + password[4:] + "\n")
+            err = decide_error(new_ident("pwfile"))
+            assert err.sqlstate == "08001" and "zero byte" in str(err), str(err)
+            fifo = path + ".fifo"
+            os.mkfifo(fifo, 0o600)
+            give_to_owner(fifo)
+            try:
+                pg.execute(
+                    sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(fifo))
+                )
+                pg.execute("SELECT pg_reload_conf()")
+                wait_for_settings({"password_file": fifo})
+                t0 = time.monotonic()
+                err = decide_error(new_ident("pwfile"))
+                assert err.sqlstate == "08001" and "not a plain file" in str(err), str(err)
+                assert time.monotonic() - t0 < 5
+            finally:
+                pg.execute(
+                    sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(path))
+                )
+                pg.execute("SELECT pg_reload_conf()")
+                wait_for_settings({"password_file": path})
+                os.unlink(fifo)
+
             # fixed again: decisions work again
             with open(path, "w") as f:
                 f.write(password)

@@ -27,8 +27,6 @@
 
 #include "rl_redis.h"
 
-/* TODO(lead): move this declaration to rl_redis.h (for the transport's settings signature) */
-extern char *rl_password_file;
 
 char	   *rl_host = NULL;
 int			rl_port = 6379;
@@ -103,9 +101,11 @@ check_host(char **newval, void **extra, GucSource source)
 
 /*
  * Refuses a non-empty rl_redis.password from a database or role setting
- * (ALTER DATABASE/ROLE ... SET validates with PGC_S_TEST, and such values
- * come back as PGC_S_GLOBAL, PGC_S_DATABASE, PGC_S_USER or
- * PGC_S_DATABASE_USER): pg_db_role_setting is readable by every role.
+ * (ALTER DATABASE/ROLE ... SET and CREATE FUNCTION ... SET validate with
+ * PGC_S_TEST, and such values come back as PGC_S_GLOBAL, PGC_S_DATABASE,
+ * PGC_S_USER or PGC_S_DATABASE_USER): pg_db_role_setting and
+ * pg_proc.proconfig are readable by every role. This runs only where the
+ * library is loaded, hence shared_preload_libraries.
  */
 static bool
 check_password(char **newval, void **extra, GucSource source)
@@ -119,7 +119,7 @@ check_password(char **newval, void **extra, GucSource source)
 		case PGC_S_DATABASE:
 		case PGC_S_USER:
 		case PGC_S_DATABASE_USER:
-			GUC_check_errdetail("A database or role setting is readable by every role.");
+			GUC_check_errdetail("Database, role and function settings are readable by every role.");
 			GUC_check_errhint("Set rl_redis.password in postgresql.conf (or with ALTER SYSTEM), or use rl_redis.password_file.");
 			return false;
 		default:
@@ -167,7 +167,8 @@ rl_read_password(char *buf, size_t size, char *err, size_t errsize)
 	if (path == NULL || path[0] == '\0')
 		return true;
 
-	fd = open(path, O_RDONLY | O_CLOEXEC, 0);
+	/* O_NONBLOCK: a FIFO must not hold the backend; it is refused below */
+	fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK, 0);
 	if (fd < 0)
 	{
 		snprintf(err, errsize, "could not open password file \"%s\": %s",
@@ -332,7 +333,7 @@ rl_define_gucs(void)
 
 	DefineCustomStringVariable("rl_redis.password_file",
 							   "File whose first line is the Redis password sent with AUTH.",
-							   "Used when rl_redis.password is empty. The file must not be group or world accessible (0600).",
+							   "Used when rl_redis.password is empty. The file must not be group or world accessible (0600); a relative path is taken from the data directory.",
 							   &rl_password_file,
 							   "",
 							   PGC_SUSET,

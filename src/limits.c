@@ -260,8 +260,10 @@ void
 rl_error_reply(redisReply *reply, RlFailure *failure)
 {
 	failure->first_in_outage = true;
+	/* Redis 7 refuses commands of more than 10 words before AUTH */
 	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
-		strncmp(reply->str, "WRONGPASS", 9) == 0)
+		strncmp(reply->str, "WRONGPASS", 9) == 0 ||
+		strncmp(reply->str, "ERR Protocol error: unauthenticated", 35) == 0)
 	{
 		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 		snprintf(failure->message, sizeof(failure->message),

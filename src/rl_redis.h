@@ -78,6 +78,7 @@ extern char *rl_host;
 extern int	rl_port;
 extern char *rl_username;
 extern char *rl_password;
+extern char *rl_password_file;
 extern int	rl_database;
 extern int	rl_connect_timeout;
 extern int	rl_command_timeout;

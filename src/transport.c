@@ -662,10 +662,11 @@ static void
 rl_settings_signature(StringInfo buf)
 {
 	resetStringInfo(buf);
-	appendStringInfo(buf, "%s%c%d%c%s%c%s%c%d%c%d%c%s%c%s%c%s%c%s",
+	appendStringInfo(buf, "%s%c%d%c%s%c%s%c%s%c%d%c%d%c%s%c%s%c%s%c%s",
 					 rl_host, 0, rl_port, 0, rl_username, 0, rl_password, 0,
-					 rl_database, 0, (int) rl_tls, 0, rl_tls_ca_file, 0,
-					 rl_tls_cert_file, 0, rl_tls_key_file, 0, rl_tls_server_name);
+					 rl_password_file, 0, rl_database, 0, (int) rl_tls, 0,
+					 rl_tls_ca_file, 0, rl_tls_cert_file, 0, rl_tls_key_file, 0,
+					 rl_tls_server_name);
 }
 
 /*
