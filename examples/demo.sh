@@ -187,15 +187,15 @@ done
 
 # ---------------------------------------------------------------------------
 section "d) a named policy guarding a table"
-say "A row of rl_policy names the limit; a trigger charges every insert into"
-say "llm_requests to its tenant, whichever code path inserts. The 4th insert is"
+say "A row of rl_policy names the limit; an AFTER INSERT row trigger charges every"
+say "insert into llm_requests to its tenant, whichever code path inserts. The 4th insert is"
 say "refused with SQLSTATE PT429 (HTTP 429 for PostgREST), and the whole statement"
 say "fails, so the units its other rows took are given back."
 psql -X -q -v ON_ERROR_STOP=0 <<'SQL'
 INSERT INTO rl_policy (name, algorithm, lim, window_ms, description)
     VALUES ('llm.free', 'sliding', 3, 60000, 'free tier: 3 model calls a minute');
 CREATE TABLE llm_requests (id serial PRIMARY KEY, tenant_id text NOT NULL, prompt text);
-CREATE TRIGGER llm_requests_rate_limit BEFORE INSERT ON llm_requests
+CREATE TRIGGER llm_requests_rate_limit AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id');
 INSERT INTO llm_requests (tenant_id, prompt) VALUES ('acme', 'one'), ('acme', 'two');
 INSERT INTO llm_requests (tenant_id, prompt) VALUES ('acme', 'three'), ('acme', 'four');
@@ -206,15 +206,17 @@ SQL
 
 # ---------------------------------------------------------------------------
 section "e) the keys in Redis"
-say "<prefix><algorithm>:{<identity>}; fixed = hash (w = window start, n = count),"
+say "<prefix><algorithm>:{<identity>}:<lim>/<window_ms> for a limit given as arguments,"
+say "<prefix><algorithm>:{<identity>}:<policy> for a named policy: two limits on one"
+say "identity are two counters. fixed = hash (w = window start, n = count, ts = latest clock, µs),"
 say "sliding = sorted set (one member per unit, score = time in microseconds);"
 say "every key expires on its own (PEXPIRE) once its window has passed."
-printf '   %-44s %-6s %s\n' key type "ttl ms"
+printf '   %-56s %-6s %s\n' key type "ttl ms"
 rcli --scan --pattern 'rl:*' | sort | while read -r key; do
-	printf '   %-44s %-6s %s\n' "$key" "$(rcli TYPE "$key")" "$(rcli PTTL "$key")"
+	printf '   %-56s %-6s %s\n' "$key" "$(rcli TYPE "$key")" "$(rcli PTTL "$key")"
 done
-say "e.g. the fixed-window hash of batch 2:"
-rcli HGETALL "rl:fixed:{$tag:fixed}" | paste - - | sed 's/^/   /'
+say "e.g. the fixed-window hash of batch 2 (5 per 2000 ms):"
+rcli HGETALL "rl:fixed:{$tag:fixed}:5/2000" | paste - - | sed 's/^/   /'
 
 if [ -d examples/http_service ]; then
 	echo

@@ -16,7 +16,8 @@
 #   concurrency  lim slots acquired in one open transaction (lease 1 h),
 #                measured before the COMMIT gives them back
 # The identity is 'tenant1:user7' for every row (the key name is part of the
-# figure), e.g. rl:sliding:{tenant1:user7}.
+# figure); the key of a limit given as arguments carries it, e.g.
+# rl:sliding:{tenant1:user7}:100/86400000, rl:concurrency:{tenant1:user7}:100/3600000.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,18 +33,26 @@ ALGS=(fixed sliding token_bucket gcra sliding_counter concurrency)
 psql() { command psql -X -q -v ON_ERROR_STOP=1 "$@"; }
 rcli() { redis-cli -p "$RL_REDIS_PORT" "$@"; }
 
+LEASE_MS=3600000 # rl_redis.max_lease (1 h) by default: the longest lease allowed
+
 psql -c "CREATE EXTENSION rl_redis" >/dev/null || exit 1
-[ "$(psql -At -c "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'")" = 1.1 ] ||
-	{ echo "rl_redis 1.1 is not what got installed" >&2; exit 1; }
+VERSION=$(sed -n "s/^default_version = '\(.*\)'$/\1/p" rl_redis.control)
+[ "$(psql -At -c "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'")" = "$VERSION" ] ||
+	{ echo "rl_redis $VERSION (rl_redis.control) is not what got installed" >&2; exit 1; }
 
 # measure ALG LIM: prints "<bytes> <encoding>"
 measure() {
-	local alg=$1 lim=$2 key="rl:$1:{$IDENT}" out remaining
+	local alg=$1 lim=$2 key out remaining
+	if [ "$alg" = concurrency ]; then
+		key="rl:$alg:{$IDENT}:$lim/$LEASE_MS"
+	else
+		key="rl:$alg:{$IDENT}:$lim/$DAY_MS"
+	fi
 	rcli DEL "$key" >/dev/null
 	if [ "$alg" = concurrency ]; then
 		out=$(psql -At <<-EOF
 			BEGIN;
-			SELECT count(*) FILTER (WHERE rl_concurrency_acquire_allow('$IDENT', $lim, 3600000))
+			SELECT count(*) FILTER (WHERE rl_concurrency_acquire_allow('$IDENT', $lim, $LEASE_MS))
 			  FROM generate_series(1, $lim);
 			\! redis-cli -p $RL_REDIS_PORT MEMORY USAGE '$key' SAMPLES 0
 			\! redis-cli -p $RL_REDIS_PORT OBJECT ENCODING '$key'
@@ -73,7 +82,7 @@ for alg in "${ALGS[@]}"; do
 done
 
 echo
-echo "Redis memory per identity, bytes (MEMORY USAGE ... SAMPLES 0; $(redis-server --version | awk '{print $1, $3}'), key rl:<algorithm>:{$IDENT}, filled to lim)"
+echo "Redis memory per identity, bytes (MEMORY USAGE ... SAMPLES 0; $(redis-server --version | awk '{print $1, $3}'), key rl:<algorithm>:{$IDENT}:<lim>/<window or lease ms>, filled to lim)"
 echo
 printf '| %-15s |' algorithm
 for lim in "${LIMS[@]}"; do printf ' %9s |' "lim $lim"; done

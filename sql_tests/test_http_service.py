@@ -508,6 +508,33 @@ def test_redis_unreachable_gives_503(start_service):
     assert svc.decide(FIXED, new_ident("http-noredis"), 5, 60).status == 503
 
 
+def test_ordinary_role_with_the_grants(start_service):
+    """The service as its README sets it up: a LOGIN role without any other
+    privilege, granted EXECUTE on rl_fixed and rl_sliding (since 1.3 they
+    are not executable by PUBLIC). Before the grant: 503 with 42501."""
+    role = "rl_http_%s" % uuid.uuid4().hex[:12]
+    with pg_connect() as conn:
+        conn.execute('CREATE ROLE "%s" LOGIN' % role)
+    try:
+        svc = start_service("--dsn", "user=%s" % role)
+        identity = new_ident("http-role")
+        for endpoint in ENDPOINTS:
+            resp = svc.decide(endpoint, identity, 5, 60)
+            assert resp.status == 503, resp
+            assert "42501" in resp.json["error"], resp
+        with pg_connect() as conn:
+            conn.execute(
+                'GRANT EXECUTE ON FUNCTION rl_fixed(text, integer, bigint, integer), '
+                'rl_sliding(text, integer, bigint, integer) TO "%s"' % role)
+        for endpoint in ENDPOINTS:
+            check_allowed(svc.decide(endpoint, identity, 5, 60), 5, 4, 60)
+        assert svc.stop() == 0, svc.log()
+    finally:
+        with pg_connect() as conn:
+            conn.execute('DROP OWNED BY "%s"' % role)
+            conn.execute('DROP ROLE "%s"' % role)
+
+
 def test_terminated_backends_are_replaced(start_service):
     app = "rl_http_test_%s" % uuid.uuid4().hex[:12]
     svc = start_service("--dsn", "application_name=%s" % app)

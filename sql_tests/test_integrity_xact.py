@@ -922,10 +922,11 @@ def test_big_refund_with_hung_redis(env, redis_factory):
 
 
 def test_queued_work_never_goes_to_another_server(env, redis_factory):
-    """Item 5/14: work a transaction end could not send to Redis A (here: a
-    refund, after a call to A was cancelled) belongs to A. When the session
-    is pointed at Redis B before its next call, B's counters must not be
-    touched (B never saw the rolled-back charge)."""
+    """Item 5/14: a refund that a transaction end could not send to Redis A
+    (a call to A was cancelled, which drops the connection) is sent to A by
+    the session's next call; but when the session is pointed at Redis B
+    before that call, the refund still belongs to A: B's counters must not
+    be touched (B never saw the rolled-back charge)."""
     lim = 10
     policy = env.policy("fixed", lim, HUGE_WINDOW_MS)
     table = env.guarded_table(policy)
@@ -940,18 +941,26 @@ def test_queued_work_never_goes_to_another_server(env, redis_factory):
         conn.execute(insert, (tenant,))
     assert peek(conn, policy, tenant) == (lim, lim - 5)
 
-    use_redis(conn, a)
-    conn.execute("BEGIN")
-    conn.execute(insert, (tenant,))
-    conn.execute(insert, (tenant,))
-    conn.execute("SET LOCAL statement_timeout = '300ms'")
-    a.pause()
-    try:
-        assert sqlstate_of(conn, "SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("cancelled"),)) == "57014"
-    finally:
-        a.resume()
-    conn.execute("ROLLBACK")
+    def rolled_back_after_cancel():
+        conn.execute("BEGIN")
+        conn.execute(insert, (tenant,))
+        conn.execute(insert, (tenant,))
+        conn.execute("SET LOCAL statement_timeout = '300ms'")
+        a.pause()
+        try:
+            assert sqlstate_of(conn, "SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("cancelled"),)) == "57014"
+        finally:
+            a.resume()
+        conn.execute("ROLLBACK")
 
+    # the refund goes to A with the next call
+    use_redis(conn, a)
+    rolled_back_after_cancel()
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    assert peek(conn, policy, tenant) == (lim, lim)
+
+    # the same, but the next call goes to B
+    rolled_back_after_cancel()
     use_redis(conn, b)
     assert in_sync_call(conn, new_ident("next")) == (True, 777)
     assert peek(conn, policy, tenant) == (lim, lim - 5)

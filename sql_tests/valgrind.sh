@@ -53,7 +53,10 @@ if ! command -v valgrind >/dev/null; then
 	$sudo apt-get install -y -qq valgrind >/dev/null || exit 2
 fi
 
-rl_cluster_start || exit 2
+# started without shared_preload_libraries: the system's rl_redis.so (which
+# may be missing or another build) is never loaded; the restart under
+# valgrind below preloads the private build, as the test cluster does
+RL_PRELOAD= rl_cluster_start || exit 2
 PGBIN=$(pg_config --bindir)
 PKGLIBDIR=$(pg_config --pkglibdir)
 SHAREDIR=$(pg_config --sharedir)
@@ -111,6 +114,9 @@ cat >>"$RL_DIR/pgdata/postgresql.conf" <<-EOF
 	max_worker_processes = 2
 	shared_buffers = 32MB
 	log_min_messages = warning
+	# preloaded, as in the test cluster (sql_tests/lib.sh): this build,
+	# from the private libdir
+	shared_preload_libraries = 'rl_redis'
 EOF
 
 mkdir -p "$VG_DIR"

@@ -48,6 +48,7 @@
 #include "miscadmin.h"
 #include "pgstat.h"
 #include "storage/fd.h"
+#include "storage/ipc.h"
 #include "storage/latch.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
@@ -105,6 +106,8 @@ static struct addrinfo *pending_addrs = NULL;
 /* the connection settings the open connection was made with */
 static StringInfoData conn_settings;
 static char inbuf[16384];
+
+static void rl_transport_exit(int code, Datum arg);
 
 /* Closes the socket and frees everything that belongs to the connection. */
 static void
@@ -696,6 +699,14 @@ static bool
 rl_connect(RlFailure *failure)
 {
 	TimestampTz deadline = rl_deadline(rl_connect_timeout);
+	static bool exit_callback_registered = false;
+
+	/* here, not in _PG_init: a preloaded library's _PG_init runs in the postmaster */
+	if (!exit_callback_registered)
+	{
+		before_shmem_exit(rl_transport_exit, (Datum) 0);
+		exit_callback_registered = true;
+	}
 
 	rl_disconnect();
 	if (pending_addrs != NULL)
@@ -972,16 +983,26 @@ rl_flush_queue(void)
 {
 	RlFailure	failure;
 	int			budget = RL_XACT_END_BUDGET_MS;
+	TimestampTz deadline;
 	RlHold		hold;
 
-	if (queue_count == 0 || !conn.ready || conn.sock == PGINVALID_SOCKET)
+	if (queue_count == 0)
 		return;
+	if (!conn.ready || conn.sock == PGINVALID_SOCKET)
+	{
+		ereport(WARNING,
+				(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
+				 errdetail("There is no usable connection to Redis at %s now.",
+						   rl_server_name())));
+		return;
+	}
 	if (rl_command_timeout > 0)
 		budget = Min(budget, rl_command_timeout);
+	deadline = rl_deadline(budget);
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
-		if (!rl_send_queue(rl_deadline(budget), &failure))
+		if (!rl_send_queue(deadline, &failure))
 			ereport(WARNING,
 					(errcode(failure.sqlerrcode),
 					 errmsg_internal("%s", failure.message),
@@ -1021,6 +1042,39 @@ rl_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 	if (conn.sock != PGINVALID_SOCKET && !conn.ready)
 		rl_disconnect();
 	rl_flush_queue();
+}
+
+/*
+ * When the backend exits: sends what is queued and reads the replies still
+ * due, within RL_XACT_END_BUDGET_MS, so that closing the socket with unread
+ * replies (which resets the connection) cannot make Redis drop commands it
+ * had not read yet.
+ */
+static void
+rl_transport_exit(int code, Datum arg)
+{
+	RlFailure	failure;
+	RlHold		hold;
+	TimestampTz deadline;
+
+	if (!conn.ready || conn.sock == PGINVALID_SOCKET ||
+		(queue_count == 0 && conn.pending_replies == 0))
+		return;
+	HOLD_INTERRUPTS();
+	deadline = rl_deadline(RL_XACT_END_BUDGET_MS);
+	rl_hold_save(&hold);
+	PG_TRY();
+	{
+		if ((queue_count == 0 || rl_send_queue(deadline, &failure)) &&
+			rl_read_pending(deadline, &failure))
+			rl_disconnect();
+	}
+	PG_CATCH();
+	{
+		rl_hold_restore(&hold);
+	}
+	PG_END_TRY();
+	RESUME_INTERRUPTS();
 }
 
 /*

@@ -10,8 +10,10 @@
 
 Every decision is one SQL statement (rl_fixed or rl_sliding plus rl_headers)
 on a pooled PostgreSQL connection; the counters live in Redis, so any number
-of instances of this service (and any SQL caller using the same identity)
-share one quota. The service itself keeps no state.
+of instances of this service (and any SQL caller using the same identity,
+limit and window) share one quota. The service itself keeps no state. Its
+database role needs EXECUTE on rl_fixed and rl_sliding (not granted to
+PUBLIC since rl_redis 1.3; see README.md, "Requirements").
 
 Python 3 standard library plus psycopg 3 (Debian: python3-psycopg):
 
