@@ -81,6 +81,7 @@ rl_cluster_start() {
 		unix_socket_directories = '$RL_DIR'
 		fsync = off
 		max_connections = 100
+		max_prepared_transactions = 10
 		wal_level = replica
 		max_wal_senders = 4
 		hot_standby = on

@@ -44,6 +44,14 @@ its reply (1.3: bounded transaction end); the session reads the reply before
 its next command. Another session's call made right after the ROLLBACK may
 reach Redis before the refund does, so after every rollback the rolling-back
 session itself peeks first (Walk.sync), and only then do others look.
+
+Keys expire in real time, by TTLs computed from the test clock, which jumps
+far ahead of the real one: a state written less than about a second (test
+clock) before it ends may vanish before the test clock gets there. The walks
+therefore never stop in the last second of a window and move bucket clocks
+in whole seconds; the key checks of test_first_decision_every_parameter only
+insist on a key (and a positive PTTL) when the state matters for 2 s or more,
+and on "never -1" always.
 """
 
 import math
@@ -981,6 +989,99 @@ def test_refill_constraint_regressions(sessions, shared_redis):
     # the next unit comes back after 100 years
     got = decide(conn, "gcra", "g2", 1, WINDOW_MAX_MS, 1, 1)
     assert (got[0], got[2]) == (False, 0) and 0 < got[4] <= WINDOW_MAX_MS
+
+
+def test_first_decision_exact_remaining(sessions):
+    """Item 6, named cases: the first call's remaining is capacity - cost
+    exactly, also when one unit is left of a large capacity (a rounding
+    edge of (tolerance - backlog) / interval)."""
+    conn = sessions(new_prefix("x"), clock=BASE_MS)
+    for algorithm in BUCKETS:
+        for lim, window, cost, burst in [
+            (1000000000, 1000, 999999999, None),
+            (300000000, 60000, 299999999, None),
+            (115782052, 335964556, 115782051, None),
+            (429, 1000, 2147483645, 2147483646),
+        ]:
+            cap = burst if burst is not None else lim
+            identity = new_id()
+            got = decide(conn, algorithm, identity, lim, window, cost, burst)
+            assert (got[0], got[1], got[2]) == (True, cap, cap - cost), \
+                (call_text(algorithm, identity, lim, window, cost, burst), got)
+            # the unit left is there: a call of 1 at the same moment gets it
+            got = decide(conn, algorithm, identity, lim, window, 1, burst)
+            assert (got[0], got[1], got[2]) == (True, cap, cap - cost - 1), \
+                ("then " + call_text(algorithm, identity, lim, window, 1, burst), got)
+
+
+@pytest.mark.parametrize("algorithm", BUCKETS)
+def test_sub_millisecond_state_keeps_a_ttl(sessions, shared_redis, algorithm):
+    """Item 6: a state that is back to full in less than a millisecond
+    (2147483646 per 2 ms, cost 1) under refund_on_abort = all, where the
+    call also writes a refund record: no key may ever be left without a TTL.
+    Each call has a small chance (about 1 in 2000 on the test machine) of
+    leaving one, so up to 12000 calls are made, in pipelined batches,
+    stopping at the first key without a TTL."""
+    prefix = new_prefix("t")
+    conn = sessions(prefix, refund="all", clock=BASE_MS)
+    q = call_sql(algorithm, True)
+    without_ttl = []
+    calls = 0
+    while calls < 12000 and not without_ttl:
+        with conn.pipeline():
+            for _ in range(3000):
+                conn.execute(q, (new_id(), 2147483646, 2, 1, 2147483646))
+        calls += 3000
+        keys = scan_keys(shared_redis, glob_escape(prefix) + "*")
+        without_ttl = [k for k in keys if shared_redis.command("PTTL", k) == -1]
+    assert without_ttl == [], "after %d calls, %d keys without TTL, e.g. %r = %r" % (
+        calls, len(without_ttl), without_ttl[0], shared_redis.command("HGETALL", without_ttl[0]))
+
+
+EXACT_PARAMS = [
+    (10000000, 1000, 1000000000),    # 1e7 per s, interval 0.1 us
+    (100000000, 1000, 2147483647),   # 1e8 per s, interval 0.01 us
+    (10, 60000, None),               # ordinary
+    (3, 10000, 5),                   # interval 3333333.33 us
+]
+
+
+@pytest.mark.parametrize("params", EXACT_PARAMS, ids=lambda p: "%d_%d_%s" % p)
+@pytest.mark.parametrize("algorithm", BUCKETS)
+def test_decisions_agree_with_exact_arithmetic(sessions, algorithm, params):
+    """Item 6 ("results agree with exact integer arithmetic"), also at
+    rates above 10^6 per second: a seeded walk of calls on whole
+    milliseconds, every (allowed, remaining) compared with the exact model.
+
+    Keys expire in real time by TTLs taken from the test clock, so every
+    write here leaves a state that needs at least 2 s (test clock) to refill:
+    a key can then only vanish once the test clock has passed the moment
+    its state is full anyway (the walk's clock runs far faster than real
+    time)."""
+    lim, window, burst = params
+    conn = sessions(new_prefix("xa"), refund="off")
+    identity = new_id()
+    model = KeyModel(algorithm, lim, window, burst)
+    cap = model.cap
+    min_deficit = max(1, -(-lim * 2000 // window))  # units refilled in 2 s, rounded up
+    assert min_deficit < cap
+    rng = random.Random(lim + window + (burst or 0) + 17 * BUCKETS.index(algorithm))
+    now = BASE_MS + 1000
+    log = []
+    for step in range(150):
+        now += rng.choice([0, 0, 1, 2, 3, 7, 50, 200, 1000])
+        set_clock(conn, now)
+        left = model.decide(now, 0)[1]
+        cost = rng.choice([0, 1, left, left + 1, left - 1, rng.randint(1, cap), cap])
+        if 0 < cost <= left:
+            cost = max(cost, left - (cap - min_deficit))  # leaves >= min_deficit to refill
+        cost = max(0, min(cap, cost))
+        got = decide(conn, algorithm, identity, lim, window, cost, burst)
+        ok, remaining, _ = model.charge(now, cost)
+        log.append("clock %d: %s -> %r (model %s %d)" % (
+            now, call_text(algorithm, identity, lim, window, cost, burst), got[:3], ok, remaining))
+        assert (got[0], got[1], got[2]) == (ok, cap, remaining), "step %d differs from the model:\n  %s" % (
+            step, "\n  ".join(log[-8:]))
 
 
 # ---------------------------------------------------------------- 6. retry_after_ms is never early

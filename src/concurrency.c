@@ -39,6 +39,12 @@ typedef struct RlSlot
 static List *held_slots = NIL;	/* of RlSlot *, in TopMemoryContext */
 static uint64 slot_counter = 0;
 
+/*
+ * The slot being asked for while its call is in flight: if an interrupt
+ * ends the call, Redis may have given it, so the abort gives it back.
+ */
+static RlSlot *asking = NULL;
+
 /* Writes "<policy>\0<identity>" (policy "" when explicit) into buf. */
 static void
 rl_slot_owner(StringInfo buf, const char *policy, text *identity)
@@ -106,6 +112,31 @@ rl_release_from_level(int nestlevel)
 				 errdetail("It is freed when its lease ends.")));
 }
 
+/*
+ * Queues the release of the slot whose call an interrupt ended (Redis may
+ * have given it). Never raises.
+ */
+static void
+rl_release_asking(void)
+{
+	RlHold		hold;
+
+	if (asking == NULL)
+		return;
+	rl_hold_save(&hold);
+	PG_TRY();
+	{
+		rl_queue_release(asking);
+	}
+	PG_CATCH();
+	{
+		rl_hold_restore(&hold);
+	}
+	PG_END_TRY();
+	rl_free_slot(asking);
+	asking = NULL;
+}
+
 /* Gives back every slot of a transaction that ends. */
 static void
 rl_concurrency_xact_callback(XactEvent event, void *arg)
@@ -113,7 +144,10 @@ rl_concurrency_xact_callback(XactEvent event, void *arg)
 	if (event == XACT_EVENT_COMMIT || event == XACT_EVENT_ABORT ||
 		event == XACT_EVENT_PARALLEL_COMMIT ||
 		event == XACT_EVENT_PARALLEL_ABORT || event == XACT_EVENT_PREPARE)
+	{
+		rl_release_asking();
 		rl_release_from_level(1);
+	}
 }
 
 /*
@@ -128,7 +162,10 @@ rl_concurrency_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 	ListCell   *lc;
 
 	if (event == SUBXACT_EVENT_ABORT_SUB)
+	{
+		rl_release_asking();
 		rl_release_from_level(level);
+	}
 	else if (event == SUBXACT_EVENT_COMMIT_SUB)
 	{
 		foreach(lc, held_slots)
@@ -168,6 +205,8 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	size_t		argvlen[8];
 	redisReply *reply;
 	RlFailure	failure;
+	RlSlot	   *slot;
+	MemoryContext old;
 
 	if (lease_ms > rl_max_lease)
 		ereport(ERROR,
@@ -197,28 +236,38 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	argv[7] = now_s;
 	argvlen[7] = rl_clock_arg(now_s);
 
+	/* the slot as it will be held, kept aside while the call is in flight */
+	old = MemoryContextSwitchTo(TopMemoryContext);
+	slot = palloc(sizeof(RlSlot));
+	slot->key = pnstrdup(key->data, key->len);
+	slot->keylen = key->len;
+	initStringInfo(&owner);
+	rl_slot_owner(&owner, policy, identity);
+	slot->owner = owner.data;
+	slot->ownerlen = owner.len;
+	slot->nestlevel = GetCurrentTransactionNestLevel();
+	strlcpy(slot->token, token, sizeof(slot->token));
+	MemoryContextSwitchTo(old);
+	if (asking != NULL)
+		rl_free_slot(asking);
+	asking = slot;
+
 	reply = rl_run_script(&rl_script_concurrency, 8, argv, argvlen, &failure);
+	asking = NULL;
 	if (reply == NULL || !rl_parse_decision(reply, d, NULL, 0, NULL, &failure))
 	{
+		rl_free_slot(slot);
 		rl_apply_on_error(&failure, lim, 1, d);
 		return;
 	}
-	if (d->allowed)
+	if (!d->allowed)
 	{
-		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
-		RlSlot	   *slot = palloc(sizeof(RlSlot));
-
-		slot->key = pnstrdup(key->data, key->len);
-		slot->keylen = key->len;
-		initStringInfo(&owner);
-		rl_slot_owner(&owner, policy, identity);
-		slot->owner = owner.data;
-		slot->ownerlen = owner.len;
-		slot->nestlevel = GetCurrentTransactionNestLevel();
-		strlcpy(slot->token, token, sizeof(slot->token));
-		held_slots = lappend(held_slots, slot);
-		MemoryContextSwitchTo(old);
+		rl_free_slot(slot);
+		return;
 	}
+	old = MemoryContextSwitchTo(TopMemoryContext);
+	held_slots = lappend(held_slots, slot);
+	MemoryContextSwitchTo(old);
 }
 
 /* Takes a slot for the arguments (identity, lim, lease_ms). */

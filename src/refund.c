@@ -47,6 +47,7 @@ typedef struct RlPending
 	int64		window;			/* number of the window of the newest charge */
 	int64		units;			/* units taken in that window */
 	int64		prev;			/* units taken in the window before it */
+	uint64		server;			/* rl_server_generation() of the charges */
 } RlPending;
 
 /* One refund scope: a transaction or subtransaction that charged. */
@@ -221,6 +222,15 @@ rl_pending_entry(RlScope *scope, const char *key, int keylen,
 		p->window = PG_INT64_MIN / 2;
 		p->units = 0;
 		p->prev = 0;
+		p->server = rl_server_generation();
+	}
+	else if (p->server != rl_server_generation())
+	{
+		/* the older charges went to another server: forget them */
+		p->window = PG_INT64_MIN / 2;
+		p->units = 0;
+		p->prev = 0;
+		p->server = rl_server_generation();
 	}
 	p->limit = *limit;
 	return p;
@@ -266,7 +276,15 @@ rl_scope_give_back(RlScope *scope)
 	MemoryContext old;
 	int			i;
 
-	if (scope->keys == NULL || (n = hash_get_num_entries(scope->keys)) == 0)
+	if (scope->keys == NULL)
+		return;
+	/* only what was charged on the server the connection settings name now */
+	n = 0;
+	hash_seq_init(&seq, scope->keys);
+	while ((p = hash_seq_search(&seq)) != NULL)
+		if (p->server == rl_server_generation())
+			n++;
+	if (n == 0)
 		return;
 	old = MemoryContextSwitchTo(scope->cxt);
 
@@ -289,6 +307,8 @@ rl_scope_give_back(RlScope *scope)
 	hash_seq_init(&seq, scope->keys);
 	while ((p = hash_seq_search(&seq)) != NULL)
 	{
+		if (p->server != rl_server_generation())
+			continue;
 		argv[i] = p->key.data;
 		argvlen[i++] = p->key.len;
 	}
@@ -301,6 +321,8 @@ rl_scope_give_back(RlScope *scope)
 	hash_seq_init(&seq, scope->keys);
 	while ((p = hash_seq_search(&seq)) != NULL)
 	{
+		if (p->server != rl_server_generation())
+			continue;
 		argv[i] = p->limit.algorithm->name;
 		argvlen[i++] = strlen(p->limit.algorithm->name);
 		argv[i] = num;
@@ -345,8 +367,12 @@ rl_scope_merge_up(RlScope *scope)
 	hash_seq_init(&seq, scope->keys);
 	while ((p = hash_seq_search(&seq)) != NULL)
 	{
-		RlPending  *q = rl_pending_entry(scope->parent, p->key.data,
-										 p->key.len, &p->limit);
+		RlPending  *q;
+
+		if (p->server != rl_server_generation())
+			continue;			/* charged on another server */
+		q = rl_pending_entry(scope->parent, p->key.data, p->key.len,
+							 &p->limit);
 
 		rl_pending_add(q, p->window - 1, p->prev, 0);
 		rl_pending_add(q, p->window, p->units, 0);

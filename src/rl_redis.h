@@ -124,6 +124,7 @@ extern redisReply *rl_command(int argc, const char **argv,
 extern void rl_defer_command(int argc, const char **argv,
 							 const size_t *argvlen);
 extern const char *rl_server_name(void);
+extern uint64 rl_server_generation(void);
 
 /* scripts (scripts.c) */
 typedef struct RlScript

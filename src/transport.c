@@ -83,14 +83,18 @@ static StringInfoData out;
 
 /*
  * Commands queued for the end of a transaction: encoded one after another in
- * queue, the end offset of each in queue_ends. At most RL_MAX_QUEUE bytes;
- * more is dropped with a warning.
+ * queue, the end offset of each in queue_ends. What a transaction end could
+ * not write waits for the next command; beyond RL_MAX_QUEUE bytes left
+ * waiting it is dropped with a warning. It belongs to one server: when the
+ * connection settings name another, it is dropped too.
  */
 static StringInfoData queue;
 static int *queue_ends = NULL;
 static int	queue_count = 0;
 static int	queue_max = 0;
-static bool queue_dropped = false;
+
+/* counts the changes of server (connection settings) */
+static uint64 server_generation = 1;
 
 #define RL_MAX_QUEUE (16 * 1024 * 1024)
 
@@ -108,6 +112,7 @@ static StringInfoData conn_settings;
 static char inbuf[16384];
 
 static void rl_transport_exit(int code, Datum arg);
+static void rl_discard_queue(const char *why);
 
 /* Closes the socket and frees everything that belongs to the connection. */
 static void
@@ -133,6 +138,17 @@ rl_disconnect(void)
 	conn.reader = NULL;
 	conn.ready = false;
 	conn.pending_replies = 0;
+}
+
+/*
+ * A number that changes whenever the connection settings name another
+ * server: state kept for one server (pending refunds) is not sent to
+ * another.
+ */
+uint64
+rl_server_generation(void)
+{
+	return server_generation;
 }
 
 /* The server the current (or next) connection goes to, for messages. */
@@ -723,6 +739,21 @@ rl_connect(RlFailure *failure)
 		initStringInfo(&conn_settings);
 		MemoryContextSwitchTo(old);
 	}
+	else
+	{
+		StringInfoData now;
+
+		/* what was queued for the previous server must not reach this one */
+		initStringInfo(&now);
+		rl_settings_signature(&now);
+		if (now.len != conn_settings.len ||
+			memcmp(now.data, conn_settings.data, now.len) != 0)
+		{
+			server_generation++;
+			rl_discard_queue("the connection settings now name another Redis server");
+		}
+		pfree(now.data);
+	}
 	rl_settings_signature(&conn_settings);
 
 	if (rl_host[0] == '/')
@@ -949,7 +980,6 @@ void
 rl_defer_command(int argc, const char **argv, const size_t *argvlen)
 {
 	MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
-	int			before;
 
 	if (queue.data == NULL)
 		initStringInfo(&queue);
@@ -959,17 +989,24 @@ rl_defer_command(int argc, const char **argv, const size_t *argvlen)
 		queue_ends = queue_ends ? repalloc(queue_ends, sizeof(int) * queue_max) :
 			palloc(sizeof(int) * queue_max);
 	}
-	before = queue.len;
 	rl_encode(&queue, argc, argv, argvlen);
-	if (queue.len > RL_MAX_QUEUE)
-	{
-		queue.len = before;
-		queue.data[before] = '\0';
-		queue_dropped = true;
-	}
-	else
-		queue_ends[queue_count++] = queue.len;
+	queue_ends[queue_count++] = queue.len;
 	MemoryContextSwitchTo(old);
+}
+
+/* Drops everything queued, with a warning that says why. */
+static void
+rl_discard_queue(const char *why)
+{
+	if (queue_count == 0)
+		return;
+	ereport(WARNING,
+			(errmsg("%d rate-limit commands of transaction ends (slot releases, refunds) were dropped: %s",
+					queue_count, why),
+			 errdetail("Slots end with their lease; units of rolled-back transactions were not given back.")));
+	queue_count = 0;
+	pfree(queue.data);
+	queue.data = NULL;
 }
 
 /*
@@ -990,6 +1027,11 @@ rl_flush_queue(void)
 		return;
 	if (!conn.ready || conn.sock == PGINVALID_SOCKET)
 	{
+		if (queue.len > RL_MAX_QUEUE)
+		{
+			rl_discard_queue("more than 16 MB was waiting for Redis");
+			return;
+		}
 		ereport(WARNING,
 				(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
 				 errdetail("There is no usable connection to Redis at %s now.",
@@ -1014,6 +1056,8 @@ rl_flush_queue(void)
 		rl_disconnect();
 	}
 	PG_END_TRY();
+	if (queue.len > RL_MAX_QUEUE)
+		rl_discard_queue("more than 16 MB was waiting for Redis");
 }
 
 /*
@@ -1112,15 +1156,6 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 		initStringInfo(&out);
 		MemoryContextSwitchTo(old);
 	}
-	if (queue_dropped)
-	{
-		queue_dropped = false;
-		ereport(WARNING,
-				(errmsg("rate-limit work of a transaction end was dropped: more than %d MB was waiting for Redis",
-						RL_MAX_QUEUE / (1024 * 1024)),
-				 errdetail("Slots end with their lease; units of rolled-back transactions were not given back.")));
-	}
-
 	if (rl_connection_settings_changed)
 	{
 		rl_breaker_reset();		/* settings were set: try at once */
