@@ -1,28 +1,33 @@
 -- Generic cell rate algorithm, with the semantics of redis-cell's
 -- CL.THROTTLE: a rate of lim per window_ms, and up to cap units at once.
--- State: a hash with tat = the theoretical arrival time (µs), when the
--- identity would be back to a full allowance, and ts = the latest clock a
--- call used (µs), plus the refund records (see scopes_add). The key expires
--- at the TAT. (Release 1.2 kept the TAT as a plain string; such a key is
--- read once and rewritten as a hash.)
--- A rolled-back charge moves the TAT back by what its scope's record still
--- owes.
+-- State: a hash with b = the backlog (µs): how far the theoretical arrival
+-- time (TAT), when the identity is back to a full allowance, lies ahead of
+-- ts = the latest clock a call used (µs); plus the refund records (see
+-- scopes_add). The backlog is kept relative to ts, not as an absolute TAT,
+-- so that it keeps its precision (an absolute time near 2^50 µs has only
+-- 1/8 µs, which at 10^8 units per second is a dozen units). Decisions are
+-- taken in units (backlog / interval) against the capacity. The key expires
+-- when the backlog runs out. (Release 1.2 kept the TAT as a plain string;
+-- such a key is read once and rewritten as a hash.)
+-- A rolled-back charge shortens the backlog by what its scope's record
+-- still owes.
 ALG.gcra = {}
 
--- Writes a backlog (or deletes the key, records and all, when it is none).
-local function gcra_save(key, backlog, now)
-  if backlog > 0 then
-    redis.call('HSET', key, 'tat', num(now + backlog), 'ts', num(now))
-    redis.call('PEXPIRE', key, math.max(ms(backlog), 1))
+-- Writes the backlog b (µs) at now (or deletes the key, records and all,
+-- when there is none). The expiry is the last write of a call.
+local function gcra_save(key, b, now)
+  if b > 0 then
+    redis.call('HSET', key, 'b', num(b), 'ts', num(now))
+    redis.call('PEXPIRE', key, math.max(ms(b), 1))
   else
     redis.call('DEL', key)
   end
 end
 
--- Reads the key as of now (never earlier than ts): the backlog (tat - now,
--- at least 0, µs) and the number of refund records.
+-- Reads the key as of now (never earlier than ts): the backlog (µs, at
+-- least 0) and the number of refund records.
 local function gcra_state(key, now)
-  local state = redis.pcall('HMGET', key, 'tat', 'ts', 'k')
+  local state = redis.pcall('HMGET', key, 'b', 'ts', 'k')
   if state.err then
     -- a 1.2 string key: its value is the TAT
     local tat = tonumber(redis.call('GET', key)) or now
@@ -31,8 +36,9 @@ local function gcra_state(key, now)
     return now, math.max(tat - now, 0), 0
   end
   if not state[1] then return now, 0, 0 end
-  now = math.max(now, tonumber(state[2]) or 0)
-  return now, math.max(tonumber(state[1]) - now, 0), tonumber(state[3]) or 0
+  local ts = tonumber(state[2])
+  now = math.max(now, ts)
+  return now, math.max(tonumber(state[1]) - (now - ts), 0), tonumber(state[3]) or 0
 end
 
 ALG.gcra.decide = function(key, p, cost, now, scopes)
@@ -40,23 +46,21 @@ ALG.gcra.decide = function(key, p, cost, now, scopes)
   now, backlog, records = gcra_state(key, now)
   local cap = p.cap
   local interval = p.window_ms * 1000 / p.lim   -- µs per unit
-  local tolerance = interval * cap              -- the most backlog allowed
-  local eps = 1e-6 + tolerance * 1e-14          -- rounding of µs figures
+  local eps = 1e-9 + cap * 1e-12                -- rounding, in units
 
-  -- units that still fit with backlog b (the slack absorbs rounding)
+  -- units that still fit with backlog b
   local function room(b)
-    local q = (tolerance - b) / interval
-    return math.max(math.floor(q + 1e-9 + math.abs(q) * 1e-12), 0)
+    return math.max(math.floor(cap - b / interval + eps), 0)
   end
   local function fits_at(t, units)
-    return math.max(backlog - (t - now), 0) + units * interval <= tolerance + eps
+    return math.max(backlog - (t - now), 0) / interval + units <= cap + eps
   end
 
   if cost < 0 then
     local b = math.max(backlog + cost * interval, 0)
     return {1, cap, room(b), ms(b), 0, now}, function()
-      gcra_save(key, b, now)
       if b > 0 and records > 0 then scopes_clamp(key, b) end
+      gcra_save(key, b, now)
     end
   end
   if fits_at(now, cost) then
@@ -64,16 +68,16 @@ ALG.gcra.decide = function(key, p, cost, now, scopes)
     local commit = nil
     if cost > 0 then
       commit = function()
-        gcra_save(key, b, now)
         if records > 0 then scopes_clamp(key, backlog) end
         if #scopes > 0 then scopes_add(key, scopes, cost * interval, now) end
+        gcra_save(key, b, now)
       end
     end
     return {1, cap, room(b), ms(b), 0, now}, commit
   end
   local retry = -1
   if cost <= cap then
-    retry = first_ms(backlog + cost * interval - tolerance - eps, now,
+    retry = first_ms(backlog - (cap - cost) * interval, now,
                      function(t) return fits_at(t, cost) end)
   end
   return {0, cap, room(backlog), ms(backlog), retry, now}, nil
@@ -84,6 +88,6 @@ ALG.gcra.refund = function(key, p, now, r)
   now, backlog, records = gcra_state(key, now)
   if records == 0 or backlog <= 0 then return end
   local b = backlog - scopes_take(key, r, backlog)
-  gcra_save(key, b, now)
   if b > 0 then scopes_clamp(key, b) end
+  gcra_save(key, b, now)
 end

@@ -28,6 +28,7 @@ local function bucket_state(key, p, now)
 end
 
 -- Writes the bucket (or deletes the key, records and all, when it is full).
+-- The expiry is the last write of a call.
 local function bucket_save(key, p, have, now)
   if have >= p.cap then
     redis.call('DEL', key)
@@ -56,8 +57,8 @@ ALG.token_bucket.decide = function(key, p, cost, now, scopes)
   if cost < 0 then
     local have = math.min(cap, tokens - cost)
     return result(1, have, 0), function()
-      bucket_save(key, p, have, now)
       if have < cap and records > 0 then scopes_clamp(key, cap - have) end
+      bucket_save(key, p, have, now)
     end
   end
   if fits_at(now, cost) then
@@ -65,11 +66,11 @@ ALG.token_bucket.decide = function(key, p, cost, now, scopes)
     local commit = nil
     if cost > 0 then
       commit = function()
-        bucket_save(key, p, have, now)
         if have < cap then
           if records > 0 then scopes_clamp(key, cap - tokens) end
           if #scopes > 0 then scopes_add(key, scopes, tokens - have, now) end
         end
+        bucket_save(key, p, have, now)
       end
     end
     return result(1, have, 0), commit
@@ -88,6 +89,6 @@ ALG.token_bucket.refund = function(key, p, now, r)
   if records == 0 or tokens >= p.cap then return end
   local give = scopes_take(key, r, p.cap - tokens)
   local have = math.min(p.cap, tokens + give)
-  bucket_save(key, p, have, now)
   if have < p.cap then scopes_clamp(key, p.cap - have) end
+  bucket_save(key, p, have, now)
 end

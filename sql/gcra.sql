@@ -31,11 +31,12 @@ SELECT * FROM rl_gcra_refund('gc:c', 10, 60000, 4);
 SELECT * FROM rl_gcra_refund('gc:c', 10, 60000, 1000);
 SELECT * FROM rl_gcra('gc:c', 10, 60000, 10);
 
--- O(1) state: a hash with the theoretical arrival time in microseconds
+-- O(1) state: a hash with the backlog b (how far the theoretical arrival time
+-- lies ahead of ts), both in microseconds
 SELECT current_setting('rl_redis.port') AS port \gset
 \setenv RLPORT :port
 \! redis-cli -p $RLPORT type 'rltest:gcra:{gc:c}:10/60000'
-\! redis-cli -p $RLPORT hget 'rltest:gcra:{gc:c}:10/60000' tat
+\! redis-cli -p $RLPORT hmget 'rltest:gcra:{gc:c}:10/60000' b ts
 
 -- a key of release 1.2 (a plain string) is read once and rewritten
 SELECT rl_reset('gc:d');
@@ -43,7 +44,7 @@ SELECT rl_reset('gc:d');
 SELECT * FROM rl_gcra('gc:d', 10, 60000, 0);
 SELECT * FROM rl_gcra('gc:d', 10, 60000, 1);
 \! redis-cli -p $RLPORT type 'rltest:gcra:{gc:d}:10/60000'
-\! redis-cli -p $RLPORT hget 'rltest:gcra:{gc:d}:10/60000' tat
+\! redis-cli -p $RLPORT hmget 'rltest:gcra:{gc:d}:10/60000' b ts
 SELECT rl_reset('gc:d');
 SELECT rl_reset('gc:a'), rl_reset('gc:b'), rl_reset('gc:c');
 RESET rl_redis.test_clock_ms;

@@ -380,9 +380,14 @@ rl_write(const char *buf, size_t len, size_t *done, TimestampTz deadline,
 	return true;
 }
 
-/* Reads until one whole reply is parsed; NULL (failure filled in) on error. */
+/*
+ * Reads until one whole reply is parsed; NULL (failure filled in) on error.
+ * With patient, a deadline that passes is not an error: NULL with
+ * failure->sqlerrcode 0, the connection kept (a partial reply stays in the
+ * reader, to be completed by the next read).
+ */
 static redisReply *
-rl_recv(TimestampTz deadline, RlFailure *failure)
+rl_recv(TimestampTz deadline, bool patient, RlFailure *failure)
 {
 	uint32		want = WL_SOCKET_READABLE;
 	char		errbuf[256];
@@ -406,6 +411,11 @@ rl_recv(TimestampTz deadline, RlFailure *failure)
 		if (!(conn.ssl && SSL_pending(conn.ssl) > 0) &&
 			!rl_wait(want, deadline))
 		{
+			if (patient)
+			{
+				failure->sqlerrcode = 0;
+				return NULL;
+			}
 			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
 					"timed out waiting for a reply from Redis at %s", conn.server);
 			return NULL;
@@ -565,7 +575,7 @@ rl_roundtrip(TimestampTz deadline, RlFailure *failure)
 	conn.ready = false;			/* a reply may be in flight from here on */
 	if (!rl_write(out.data, out.len, &done, deadline, failure))
 		return NULL;
-	reply = rl_recv(deadline, failure);
+	reply = rl_recv(deadline, false, failure);
 	if (reply != NULL)
 		conn.ready = true;
 	return reply;
@@ -897,33 +907,55 @@ rl_connection_alive(void)
 }
 
 /*
+ * Takes the commands wholly within the first done bytes off the queue and
+ * returns how many.
+ */
+static int
+rl_queue_trim(size_t done)
+{
+	int			sent = 0;
+	int			cut;
+	int			i;
+
+	while (sent < queue_count && (size_t) queue_ends[sent] <= done)
+		sent++;
+	if (sent == 0)
+		return 0;
+	cut = queue_ends[sent - 1];
+	memmove(queue.data, queue.data + cut, queue.len - cut);
+	queue.len -= cut;
+	queue.data[queue.len] = '\0';
+	for (i = sent; i < queue_count; i++)
+		queue_ends[i - sent] = queue_ends[i] - cut;
+	queue_count -= sent;
+	return sent;
+}
+
+/*
  * Writes the queued commands to the open connection before deadline. Those
- * written whole leave the queue, and their replies are read before the next
+ * written whole leave the queue (also when an interrupt ends the write: they
+ * are never sent twice), and their replies are read before the next
  * command's; false (the connection discarded, the rest kept) on failure.
  */
 static bool
 rl_send_queue(TimestampTz deadline, RlFailure *failure)
 {
-	size_t		done = 0;
+	volatile size_t done = 0;
 	bool		ok;
-	int			sent = 0;
-	int			i;
+	int			sent;
 
 	conn.ready = false;
-	ok = rl_write(queue.data, queue.len, &done, deadline, failure);
-	while (sent < queue_count && (size_t) queue_ends[sent] <= done)
-		sent++;
-	if (sent > 0)
+	PG_TRY();
 	{
-		int			cut = queue_ends[sent - 1];
-
-		memmove(queue.data, queue.data + cut, queue.len - cut);
-		queue.len -= cut;
-		queue.data[queue.len] = '\0';
-		for (i = sent; i < queue_count; i++)
-			queue_ends[i - sent] = queue_ends[i] - cut;
-		queue_count -= sent;
+		ok = rl_write(queue.data, queue.len, (size_t *) &done, deadline, failure);
 	}
+	PG_CATCH();
+	{
+		rl_queue_trim(done);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	sent = rl_queue_trim(done);
 	if (!ok)
 		return false;
 	conn.ready = true;
@@ -939,21 +971,20 @@ rl_send_queue(TimestampTz deadline, RlFailure *failure)
 /*
  * Reads the replies of the queued commands sent at a transaction end; an
  * error reply is logged. False (with the failure filled in) when the
- * connection failed.
+ * connection failed, or, with patient, when the deadline passed first
+ * (failure->sqlerrcode 0; the rest of the replies are read later).
  */
 static bool
-rl_read_pending(TimestampTz deadline, RlFailure *failure)
+rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
 {
 	while (conn.pending_replies > 0)
 	{
 		redisReply *reply;
 
-		conn.ready = false;
-		reply = rl_recv(deadline, failure);
+		reply = rl_recv(deadline, patient, failure);
 		if (reply == NULL)
 			return false;
 		conn.pending_replies--;
-		conn.ready = true;
 		if (reply->type == REDIS_REPLY_ERROR)
 		{
 			char		text[256];
@@ -1044,11 +1075,16 @@ rl_flush_queue(void)
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
-		if (!rl_send_queue(deadline, &failure))
-			ereport(WARNING,
-					(errcode(failure.sqlerrcode),
-					 errmsg_internal("%s", failure.message),
-					 errdetail("Rate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.")));
+		/* written, then confirmed, so that other sessions see it at once */
+		if (!rl_send_queue(deadline, &failure) ||
+			!rl_read_pending(deadline, true, &failure))
+		{
+			if (failure.sqlerrcode != 0)
+				ereport(WARNING,
+						(errcode(failure.sqlerrcode),
+						 errmsg_internal("%s", failure.message),
+						 errdetail("Rate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.")));
+		}
 	}
 	PG_CATCH();
 	{
@@ -1110,7 +1146,7 @@ rl_transport_exit(int code, Datum arg)
 	PG_TRY();
 	{
 		if ((queue_count == 0 || rl_send_queue(deadline, &failure)) &&
-			rl_read_pending(deadline, &failure))
+			rl_read_pending(deadline, true, &failure))
 			rl_disconnect();
 	}
 	PG_CATCH();
@@ -1177,7 +1213,7 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 
 	deadline = rl_deadline(rl_command_timeout);
 	if ((queue_count == 0 || rl_send_queue(deadline, failure)) &&
-		rl_read_pending(deadline, failure))
+		rl_read_pending(deadline, false, failure))
 	{
 		resetStringInfo(&out);
 		rl_encode(&out, argc, argv, argvlen);
