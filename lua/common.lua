@@ -7,24 +7,29 @@
 --
 -- Each algorithm file adds ALG.<name> = {decide = ..., refund = ...}:
 --   decide(key, p, cost, now, scopes) reads the key's state and returns
---     result  {allowed, lim, remaining, reset_ms, retry_after_ms, stamp},
---             the state as it is once the call is applied; stamp is the
---             clock the call was decided on (µs)
+--     result  {allowed, lim, remaining, reset_ms, retry_after_ms, stamp,
+--             epoch}, the state as it is once the call is applied; stamp is
+--             the clock the call was decided on (µs: now, or later when the
+--             key's state is stamped later), epoch the key's (new_epoch;
+--             0 for the algorithms that do not need one)
 --     commit  a function that writes the new state, or nil when there is
 --             nothing to write; the caller runs it only when it applies
 --             the call
 --   cost < 0 gives -cost units back at once (an administrator's refund);
 --   its result is always allowed and its commit always runs.
 --   refund(key, p, now, r) undoes what a rolled-back (sub)transaction took
---     and still counts; r = {idx, units, prev, scope, parents}.
+--     and still counts; r = {idx, units, prev, epoch, first, scope,
+--     parents} (see run_refund.lua).
 -- p = {lim, window_ms, burst, cap}: burst is 0 when not given, cap is the
--- burst or lim. now is the clock in microseconds. scopes is the list of
--- refund scopes the charge belongs to, outermost first (empty: none).
+-- burst or lim. now is Redis's clock (or the test clock) in microseconds.
+-- scopes is the list of refund scopes the charge belongs to, outermost
+-- first (empty: none).
 --
 -- The caller has checked every argument: lim > 0, 0 < window_ms <= 100
 -- years, cap * window_ms / lim <= 100 years. Every time computed here is
 -- then below 2^53 µs, so a double holds it exactly, and every expiry fits
--- PEXPIRE. Nothing below can fail after its first write.
+-- PEXPIRE. Nothing below can fail after its first write, and the expiry is
+-- the last write of each key.
 local ALG = {}
 
 -- The clock in microseconds: the test clock when given, else Redis TIME.
@@ -86,83 +91,140 @@ local function split(s)
   return out
 end
 
+-- Sets key's expiry to ttl ms counted from now, the clock the call decided
+-- on. Redis expires keys on its own clock, which is behind now by
+-- now - real µs after a step back: the expiry is that much longer, so that
+-- the state lives as long as it counts.
+local function expire(key, ttl, now, real)
+  redis.call('PEXPIRE', key, math.max(ttl + math.ceil((now - real) / 1000), 1))
+end
+
+-- A number that tells one life of a key from the next (a key deleted by
+-- FLUSHALL, eviction or rl_reset and made again): Redis's own clock in µs
+-- when it was made, unique as no two scripts run in the same microsecond.
+local function new_epoch()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
 -- Refund records of the token bucket and GCRA, in the key's hash: field
 -- "s:<scope>" = "<owed>:<last_us>", what the charges of a refund scope
--- (a transaction or savepoint, with its committed savepoints) would give
--- back if it rolled back now; field "k" counts them. An owed amount never
--- exceeds the key's deficit: had the charges never happened the bucket
--- would have been full at any moment the deficit reached that amount, so
--- the refill since then would have been lost anyway.
-local MAX_SCOPES = 32
+-- would give back if it rolled back now. A transaction's scope id has no
+-- '/'; a savepoint's is "<transaction's id>/<n>". Field "k" counts them.
+-- The records of different transactions (their charges are disjoint) owe
+-- at most the key's deficit together, and a savepoint's record at most its
+-- transaction's: had all those charges never happened the bucket would
+-- have been full whenever the deficit fell that low, so the refill since
+-- then would have been lost anyway, whichever of them roll back, in any
+-- order. A transaction that commits has its records forgotten
+-- (run_forget.lua); at most MAX_SCOPES records are kept, the least recently
+-- charged transaction's going first (its refund then gives back nothing:
+-- never too much).
+local MAX_SCOPES = 64
 
--- Lowers every record of key to at most bound (the current deficit).
-local function scopes_clamp(key, bound)
+-- Reads the refund records of key: {scope = {owed, last_us, original}}.
+local function records_read(key)
+  local recs = {}
   local all = redis.call('HGETALL', key)
-  local k = 0
   for i = 1, #all, 2 do
-    local f = all[i]
-    if string.sub(f, 1, 2) == 's:' then
+    if string.sub(all[i], 1, 2) == 's:' then
       local owed, last = string.match(all[i + 1], '^([^:]+):(.+)$')
-      owed = tonumber(owed)
-      if owed > bound then
-        if bound <= 0 then
-          redis.call('HDEL', key, f)
-        else
-          redis.call('HSET', key, f, num(bound) .. ':' .. last)
-          k = k + 1
-        end
-      else
-        k = k + 1
-      end
+      recs[string.sub(all[i], 3)] = {tonumber(owed), tonumber(last), all[i + 1]}
+    end
+  end
+  return recs
+end
+
+-- The transaction's scope id of a scope id.
+local function top_of(scope)
+  return string.match(scope, '^[^/]+')
+end
+
+-- Lowers the records to fit bound (the deficit) as said above.
+local function records_lower(recs, bound)
+  local tops, total = {}, 0
+  for scope, r in pairs(recs) do
+    if top_of(scope) == scope then
+      tops[#tops + 1] = scope
+      total = total + r[1]
+    end
+  end
+  if total > bound then
+    table.sort(tops, function(a, b) return recs[a][2] < recs[b][2] end)
+    local excess = total - bound
+    for _, scope in ipairs(tops) do
+      if excess <= 0 then break end
+      local cut = math.min(recs[scope][1], excess)
+      recs[scope][1] = recs[scope][1] - cut
+      excess = excess - cut
+    end
+  end
+  for scope, r in pairs(recs) do
+    local top = recs[top_of(scope)]
+    r[1] = math.min(r[1], top and top[1] or 0)
+  end
+end
+
+-- Writes the records that changed, drops those that owe nothing.
+local function records_write(key, recs)
+  local k = 0
+  for scope, r in pairs(recs) do
+    if r[1] <= 0 then
+      if r[3] ~= '' then redis.call('HDEL', key, 's:' .. scope) end
+    else
+      local v = num(r[1]) .. ':' .. num(r[2])
+      if v ~= r[3] then redis.call('HSET', key, 's:' .. scope, v) end
+      k = k + 1
     end
   end
   redis.call('HSET', key, 'k', k)
 end
 
--- Adds amount to the records of every scope in scopes (created as needed),
--- evicting the least recently charged record beyond MAX_SCOPES (its scope
--- then gives back nothing: never too much).
-local function scopes_add(key, scopes, amount, now)
-  local k = tonumber(redis.call('HGET', key, 'k')) or 0
-  for _, s in ipairs(scopes) do
-    local f = 's:' .. s
-    local v = redis.call('HGET', key, f)
-    local owed = 0
-    if v then owed = tonumber(string.match(v, '^([^:]+):')) else k = k + 1 end
-    redis.call('HSET', key, f, num(owed + amount) .. ':' .. num(now))
+-- Adds amount, charged at now, to the records of every scope in scopes
+-- (made as needed); beyond MAX_SCOPES records, drops the least recently
+-- charged transaction's.
+local function records_add(recs, scopes, amount, now)
+  local n = 0
+  for _ in pairs(recs) do n = n + 1 end
+  for _, scope in ipairs(scopes) do
+    local r = recs[scope]
+    if r then
+      r[1], r[2] = r[1] + amount, now
+    else
+      recs[scope] = {amount, now, ''}
+      n = n + 1
+    end
   end
-  while k > MAX_SCOPES do
-    local all = redis.call('HGETALL', key)
-    local oldest, oldest_at = nil, nil
-    for i = 1, #all, 2 do
-      if string.sub(all[i], 1, 2) == 's:' then
-        local at = tonumber(string.match(all[i + 1], ':(.+)$'))
-        if oldest == nil or at < oldest_at then oldest, oldest_at = all[i], at end
+  while n > MAX_SCOPES do
+    local oldest = nil
+    for scope, r in pairs(recs) do
+      if top_of(scope) == scope and r[1] > 0 and
+         (oldest == nil or r[2] < recs[oldest][2]) then
+        oldest = scope
       end
     end
     if oldest == nil then break end
-    redis.call('HDEL', key, oldest)
-    k = k - 1
+    recs[oldest][1] = 0   -- records_lower drops its savepoints' too
+    n = n - 1
   end
-  redis.call('HSET', key, 'k', k)
 end
 
--- Takes scope r.scope's record out of key and lowers its parents' records
--- by what it gives back; returns what it gives back (at most bound).
-local function scopes_take(key, r, bound)
-  local f = 's:' .. r.scope
-  local v = redis.call('HGET', key, f)
-  if not v then return 0 end
-  local give = math.min(tonumber(string.match(v, '^([^:]+):')), bound)
-  redis.call('HDEL', key, f)
-  redis.call('HINCRBY', key, 'k', -1)
-  for _, s in ipairs(r.parents) do
-    local pf = 's:' .. s
-    local pv = redis.call('HGET', key, pf)
-    if pv then
-      local owed, last = string.match(pv, '^([^:]+):(.+)$')
-      redis.call('HSET', key, pf, num(math.max(tonumber(owed) - give, 0)) .. ':' .. last)
+-- Takes the record of scope r.scope out (with its savepoints' records when
+-- it is a transaction) and lowers its parents' by what it gives back;
+-- returns that (at most bound).
+local function records_take(recs, r, bound)
+  local mine = recs[r.scope]
+  if not mine then return 0 end
+  local give = math.min(mine[1], bound)
+  mine[1] = 0
+  if top_of(r.scope) == r.scope then
+    for scope, rec in pairs(recs) do
+      if top_of(scope) == r.scope then rec[1] = 0 end
     end
+  end
+  for _, parent in ipairs(r.parents) do
+    local p = recs[parent]
+    if p then p[1] = math.max(p[1] - give, 0) end
   end
   return give
 end

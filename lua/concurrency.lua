@@ -5,7 +5,7 @@
 -- its slot when the lease ends. The key expires with its last lease.
 -- KEYS[1]  the identity's key
 -- ARGV     lim, lease_ms, token, now_us ('' for Redis TIME)
--- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, now_us};
+-- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, now_us, 0};
 -- reset_ms is the time until the last lease ends, retry_after_ms the time
 -- until the first one does.
 local key = KEYS[1]
@@ -25,6 +25,6 @@ if held < lim then
   redis.call('ZADD', key, now + lease_ms * 1000, ARGV[3])
   local last = lease_left(-1)
   redis.call('PEXPIRE', key, last)
-  return {1, lim, lim - held - 1, last, 0, now}
+  return {1, lim, lim - held - 1, last, 0, now, 0}
 end
-return {0, lim, 0, lease_left(-1), lease_left(0), now}
+return {0, lim, 0, lease_left(-1), lease_left(0), now, 0}

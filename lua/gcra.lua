@@ -3,7 +3,7 @@
 -- State: a hash with b = the backlog (µs): how far the theoretical arrival
 -- time (TAT), when the identity is back to a full allowance, lies ahead of
 -- ts = the latest clock a call used (µs); plus the refund records (see
--- scopes_add). The backlog is kept relative to ts, not as an absolute TAT,
+-- records_add). The backlog is kept relative to ts, not as an absolute TAT,
 -- so that it keeps its precision (an absolute time near 2^50 µs has only
 -- 1/8 µs, which at 10^8 units per second is a dozen units). Decisions are
 -- taken in units (backlog / interval) against the capacity. The key expires
@@ -15,10 +15,10 @@ ALG.gcra = {}
 
 -- Writes the backlog b (µs) at now (or deletes the key, records and all,
 -- when there is none). The expiry is the last write of a call.
-local function gcra_save(key, b, now)
+local function gcra_save(key, b, now, real)
   if b > 0 then
     redis.call('HSET', key, 'b', num(b), 'ts', num(now))
-    redis.call('PEXPIRE', key, math.max(ms(b), 1))
+    expire(key, math.max(ms(b), 1), now, real)
   else
     redis.call('DEL', key)
   end
@@ -32,7 +32,7 @@ local function gcra_state(key, now)
     -- a 1.2 string key: its value is the TAT
     local tat = tonumber(redis.call('GET', key)) or now
     redis.call('DEL', key)
-    gcra_save(key, math.max(tat - now, 0), now)
+    gcra_save(key, math.max(tat - now, 0), now, now)
     return now, math.max(tat - now, 0), 0
   end
   if not state[1] then return now, 0, 0 end
@@ -41,12 +41,11 @@ local function gcra_state(key, now)
   return now, math.max(tonumber(state[1]) - (now - ts), 0), tonumber(state[3]) or 0
 end
 
-ALG.gcra.decide = function(key, p, cost, now, scopes)
-  local backlog, records
-  now, backlog, records = gcra_state(key, now)
+ALG.gcra.decide = function(key, p, cost, real, scopes)
+  local now, backlog, records = gcra_state(key, real)
   local cap = p.cap
   local interval = p.window_ms * 1000 / p.lim   -- µs per unit
-  local eps = 1e-9 + cap * 1e-12                -- rounding, in units
+  local eps = 1e-9 + cap * 1e-13                -- rounding, in units
 
   -- units that still fit with backlog b
   local function room(b)
@@ -58,9 +57,13 @@ ALG.gcra.decide = function(key, p, cost, now, scopes)
 
   if cost < 0 then
     local b = math.max(backlog + cost * interval, 0)
-    return {1, cap, room(b), ms(b), 0, now}, function()
-      if b > 0 and records > 0 then scopes_clamp(key, b) end
-      gcra_save(key, b, now)
+    return {1, cap, room(b), ms(b), 0, now, 0}, function()
+      if b > 0 and records > 0 then
+        local recs = records_read(key)
+        records_lower(recs, b)
+        records_write(key, recs)
+      end
+      gcra_save(key, b, now, real)
     end
   end
   if fits_at(now, cost) then
@@ -68,26 +71,36 @@ ALG.gcra.decide = function(key, p, cost, now, scopes)
     local commit = nil
     if cost > 0 then
       commit = function()
-        if records > 0 then scopes_clamp(key, backlog) end
-        if #scopes > 0 then scopes_add(key, scopes, cost * interval, now) end
-        gcra_save(key, b, now)
+        if records > 0 or #scopes > 0 then
+          local recs = {}
+          if records > 0 then
+            recs = records_read(key)
+            records_lower(recs, backlog)
+          end
+          records_add(recs, scopes, cost * interval, now)
+          records_lower(recs, b)
+          records_write(key, recs)
+        end
+        gcra_save(key, b, now, real)
       end
     end
-    return {1, cap, room(b), ms(b), 0, now}, commit
+    return {1, cap, room(b), ms(b), 0, now, 0}, commit
   end
   local retry = -1
   if cost <= cap then
     retry = first_ms(backlog - (cap - cost) * interval, now,
                      function(t) return fits_at(t, cost) end)
   end
-  return {0, cap, room(backlog), ms(backlog), retry, now}, nil
+  return {0, cap, room(backlog), ms(backlog), retry, now, 0}, nil
 end
 
-ALG.gcra.refund = function(key, p, now, r)
-  local backlog, records
-  now, backlog, records = gcra_state(key, now)
+ALG.gcra.refund = function(key, p, real, r)
+  local now, backlog, records = gcra_state(key, real)
   if records == 0 or backlog <= 0 then return end
-  local b = backlog - scopes_take(key, r, backlog)
-  if b > 0 then scopes_clamp(key, b) end
-  gcra_save(key, b, now)
+  local recs = records_read(key)
+  records_lower(recs, backlog)
+  local b = backlog - records_take(recs, r, backlog)
+  records_lower(recs, b)
+  records_write(key, recs)
+  gcra_save(key, b, now, real)
 end

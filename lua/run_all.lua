@@ -6,7 +6,8 @@
 --          (< 0: give back)
 -- Returns the most restrictive limit's {allowed, lim, remaining, reset_ms,
 -- retry_after_ms} followed by its index (1-based), then the clock each
--- limit was decided on (µs), one per key: a denied one with the longest wait
+-- limit was decided on (µs), one per key, then each key's epoch (see
+-- run_one.lua). The most restrictive is a denied one with the longest wait
 -- (-1 counts longest), else the one with the fewest units left.
 
 -- True when result a is more restrictive than result b.
@@ -23,7 +24,7 @@ end
 local now = clock_us(ARGV[1])
 local scopes = split(ARGV[2])
 local commits = {}
-local stamps = {}
+local results = {}
 local all_allowed = true
 local worst, worst_index = nil, 0
 for i = 1, #KEYS do
@@ -36,7 +37,7 @@ for i = 1, #KEYS do
   from_clock(result, now)
   if result[1] == 0 then all_allowed = false end
   if commit then commits[#commits + 1] = commit end
-  stamps[i] = result[6]
+  results[i] = result
   if worst == nil or tighter(result, worst) then
     worst, worst_index = result, i
   end
@@ -45,5 +46,8 @@ if all_allowed then
   for _, commit in ipairs(commits) do commit() end
 end
 local reply = {worst[1], worst[2], worst[3], worst[4], worst[5], worst_index}
-for i = 1, #KEYS do reply[6 + i] = stamps[i] end
+for i = 1, #KEYS do
+  reply[6 + i] = results[i][6]
+  reply[6 + #KEYS + i] = results[i][7]
+end
 return reply

@@ -4,7 +4,9 @@
 -- ARGV     algorithm, lim, window_ms, cost (< 0: give back), burst (0: none),
 --          now_us (test clock; '' for Redis TIME), refund scopes
 --          ("a,b": outermost first; '' for none)
--- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us}.
+-- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us,
+-- epoch} (epoch: of the key, for the fixed window and the sliding counter;
+-- else 0).
 local p = {lim = tonumber(ARGV[2]), window_ms = tonumber(ARGV[3]),
            burst = tonumber(ARGV[5])}
 p.cap = p.burst > 0 and p.burst or p.lim

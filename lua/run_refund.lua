@@ -4,17 +4,20 @@
 -- ARGV     now_us ('' for Redis TIME), the scope, its parent scopes
 --          ("a,b"; '' for none), then for each key: algorithm, lim,
 --          window_ms, burst (0: none), window number of the newest charge,
---          units taken in that window, units taken in the window before
+--          units taken in that window, units taken in the window before,
+--          the key's epoch when charged, the clock of the scope's first
+--          charge on it (µs)
 -- Returns the number of keys.
 local now = clock_us(ARGV[1])
 local r = {scope = ARGV[2], parents = split(ARGV[3])}
 for i = 1, #KEYS do
-  local b = 3 + (i - 1) * 7
+  local b = 3 + (i - 1) * 9
   local p = {lim = tonumber(ARGV[b + 2]), window_ms = tonumber(ARGV[b + 3]),
              burst = tonumber(ARGV[b + 4])}
   p.cap = p.burst > 0 and p.burst or p.lim
   r.idx, r.units, r.prev = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6]),
     tonumber(ARGV[b + 7])
+  r.epoch, r.first = tonumber(ARGV[b + 8]), tonumber(ARGV[b + 9])
   ALG[ARGV[b + 1]].refund(KEYS[i], p, now, r)
 end
 return #KEYS

@@ -8,7 +8,8 @@
 ALG.sliding = {}
 
 -- Drops the units that have left the window and returns now (never earlier
--- than the newest unit) and the number of units in the window.
+-- than the newest unit) and the number of units in the window. The key's
+-- expiry counts from the newest unit.
 local function log_state(key, p, now)
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
   if newest then now = math.max(now, tonumber(newest)) end
@@ -16,9 +17,8 @@ local function log_state(key, p, now)
   return now, redis.call('ZCARD', key)
 end
 
-ALG.sliding.decide = function(key, p, cost, now, scopes)
-  local used
-  now, used = log_state(key, p, now)
+ALG.sliding.decide = function(key, p, cost, real, scopes)
+  local now, used = log_state(key, p, real)
   local lim, window = p.lim, p.window_ms * 1000
 
   -- ms until the member at rank r (0 = oldest, -1 = newest) leaves
@@ -39,17 +39,17 @@ ALG.sliding.decide = function(key, p, cost, now, scopes)
       if n > 0 then redis.call('ZPOPMAX', key, n) end
     end
     if after == 0 then
-      return {1, lim, lim, 0, 0, now}, commit
+      return {1, lim, lim, 0, 0, now, 0}, commit
     end
     return {1, lim, math.max(lim - after, 0),
             math.max(ms(tonumber(redis.call('ZRANGE', key, after - 1, after - 1,
-              'WITHSCORES')[2]) + window - now), 1), 0, now}, commit
+              'WITHSCORES')[2]) + window - now), 1), 0, now, 0}, commit
   end
   if used + cost <= lim then
     if cost == 0 then
-      return {1, lim, lim - used, reset_of(used), 0, now}, nil
+      return {1, lim, lim - used, reset_of(used), 0, now, 0}, nil
     end
-    return {1, lim, lim - used - cost, p.window_ms, 0, now}, function()
+    return {1, lim, lim - used - cost, p.window_ms, 0, now, 0}, function()
       -- members must be unique even for many units in one microsecond:
       -- add them in batches, with more sequence numbers for any that
       -- happened to exist already
@@ -67,7 +67,7 @@ ALG.sliding.decide = function(key, p, cost, now, scopes)
         end
         missing = missing - redis.call('ZADD', key, 'NX', unpack(batch))
       end
-      redis.call('PEXPIRE', key, p.window_ms)
+      expire(key, p.window_ms, now, real)
     end
   end
   local retry = -1
@@ -75,15 +75,15 @@ ALG.sliding.decide = function(key, p, cost, now, scopes)
     -- the call fits once the (used + cost - lim) oldest units have left
     retry = ms_until_gone(used + cost - lim - 1)
   end
-  return {0, lim, math.max(lim - used, 0), reset_of(used), retry, now}, nil
+  return {0, lim, math.max(lim - used, 0), reset_of(used), retry, now, 0}, nil
 end
 
-ALG.sliding.refund = function(key, p, now, r)
-  local used
-  now, used = log_state(key, p, now)
+ALG.sliding.refund = function(key, p, real, r)
+  local now, used = log_state(key, p, real)
   if used == 0 then return end
+  -- only the units taken since the scope's first charge can be its own
   local mark = '|' .. r.scope .. '|'
-  local members = redis.call('ZRANGE', key, 0, -1)
+  local members = redis.call('ZRANGEBYSCORE', key, r.first, '+inf')
   local doomed = {}
   for _, m in ipairs(members) do
     if string.find(m, mark, 1, true) then

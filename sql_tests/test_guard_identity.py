@@ -192,7 +192,7 @@ CANONICAL_CASES = [
     (
         "interval",
         "make_interval(days => 1, hours => 2, mins => 3, secs => 4)",
-        "1 day 02:03:04",
+        "1 days 7384000000 us",
         "make_interval(days => 1, hours => 2, mins => 3, secs => 5)",
         [
             {"IntervalStyle": "iso_8601"},
@@ -522,3 +522,26 @@ def test_upsert_charges_one_per_row(env):
     assert conn.execute(
         sql.SQL("SELECT string_agg(k || '=' || n, ',' ORDER BY k) FROM {}").format(sql.Identifier(table))
     ).fetchone()[0] == "k1=3,k2=2,k3=2"
+
+
+@pytest.mark.parametrize(
+    "coltype, first, others",
+    [
+        ("numeric", "7", ["7.0", "7.000", "07"]),
+        ("interval", "'1 day'", ["'24 hours'", "'1440 minutes'", "'0.5 days 12 hours'"]),
+        ("float8", "0", ["-0", "'-0'::float8"]),
+    ],
+)
+def test_equal_values_share_one_identity(env, coltype, first, others):
+    """Review finding: values that compare equal (7 and 7.0 in numeric,
+    '1 day' and '24 hours' in interval, 0 and -0) are one tenant for SQL
+    (row-level security, unique keys), so they are one identity: under a
+    limit of 1 only the first write passes."""
+    policy = env.policy(1)
+    table = env.table("tenant %s NOT NULL" % coltype)
+    env.guard(table, "AFTER INSERT", policy, "tenant")
+    conn = env.connect()
+    name = sql.Identifier(table).as_string(conn)
+    assert sqlstate_of(conn, "INSERT INTO %s (tenant) VALUES (%s)" % (name, first)) is None
+    for value in others:
+        assert sqlstate_of(conn, "INSERT INTO %s (tenant) VALUES (%s)" % (name, value)) == RATE_LIMITED, value

@@ -405,6 +405,95 @@ def test_explicit_rollback_gives_back_exactly(sessions, algorithm):
     assert peek(conn, algorithm, identity, 10, WINDOW_MS)[:3] == (True, 10, 9)
 
 
+@pytest.mark.parametrize("algorithm", BUCKETS)
+def test_overlapping_rollbacks_never_give_back_too_much(sessions, algorithm):
+    """Review finding: two transactions A (4) and B (6) empty a bucket of
+    10 per 10 s; 5 s later (5 refilled) C takes 5 and commits; then B and A
+    roll back. Had A and B never charged, the bucket would have been full
+    at C and hold 5 now: the two rollbacks together give back at most that,
+    whatever their order (1.3 before the fix gave 9)."""
+    for order in ("BA", "AB"):
+        prefix = new_prefix("ov")
+        a, b, c = sessions(prefix), sessions(prefix), sessions(prefix)
+        identity = new_id()
+        t0 = BASE_MS
+        for conn in (a, b, c):
+            set_clock(conn, t0)
+        a.execute("BEGIN")
+        assert decide(a, algorithm, identity, 10, 10000, 4)[:3] == (True, 10, 6)
+        b.execute("BEGIN")
+        assert decide(b, algorithm, identity, 10, 10000, 6)[:3] == (True, 10, 0)
+        set_clock(c, t0 + 5000)
+        assert decide(c, algorithm, identity, 10, 10000, 5)[:3] == (True, 10, 0)
+        first, second = (b, a) if order == "BA" else (a, b)
+        set_clock(first, t0 + 5000)
+        set_clock(second, t0 + 5000)
+        first.execute("ROLLBACK")
+        second.execute("ROLLBACK")
+        assert peek(c, algorithm, identity, 10, 10000)[:3] == (True, 10, 5), order
+
+
+@pytest.mark.parametrize("algorithm", BUCKETS)
+def test_committed_transactions_do_not_push_out_a_long_ones_refund(sessions, algorithm):
+    """Review finding: A takes 100 of 1000 and stays open; 40 short
+    transactions each take 1 and commit; A rolls back -> its 100 come back
+    (the committed ones' refund records are forgotten at their commit, so
+    they do not push A's out)."""
+    prefix = new_prefix("lg")
+    a, c = sessions(prefix), sessions(prefix)
+    identity = new_id()
+    for conn in (a, c):
+        set_clock(conn, BASE_MS)
+    a.execute("BEGIN")
+    assert decide(a, algorithm, identity, 1000, 600000, 100)[:3] == (True, 1000, 900)
+    for i in range(40):
+        c.execute("BEGIN")
+        assert decide(c, algorithm, identity, 1000, 600000, 1)[:3] == (True, 1000, 899 - i)
+        c.execute("COMMIT")
+    a.execute("ROLLBACK")
+    assert peek(c, algorithm, identity, 1000, 600000)[:3] == (True, 1000, 960)
+
+
+@pytest.mark.parametrize("algorithm", ["fixed", "sliding_counter"])
+def test_refund_does_not_reach_a_new_life_of_the_key(sessions, shared_redis, algorithm):
+    """Review finding: A takes 8 of 10 and stays open; the key is lost
+    (FLUSHALL, eviction, rl_reset: here DEL); C takes 8 and commits; A rolls
+    back -> C's 8 still count (remaining 2, not 10)."""
+    prefix = new_prefix("lf")
+    a, c = sessions(prefix), sessions(prefix)
+    identity = new_id()
+    for conn in (a, c):
+        set_clock(conn, BASE_MS + 1000)
+    a.execute("BEGIN")
+    assert decide(a, algorithm, identity, 10, WINDOW_MS, 8)[:3] == (True, 10, 2)
+    for key in keys_of(shared_redis, prefix, identity):
+        shared_redis.command("DEL", key)
+    assert decide(c, algorithm, identity, 10, WINDOW_MS, 8)[:3] == (True, 10, 2)
+    a.execute("ROLLBACK")
+    assert peek(c, algorithm, identity, 10, WINDOW_MS)[:3] == (True, 10, 2)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_state_outlives_a_clock_step_back(sessions, shared_redis, algorithm):
+    """Review finding: after the clock steps back by 20 s, a charge's state
+    must live as long as it counts on Redis's (earlier) clock: its TTL is 20 s
+    longer than the same charge made without the step back."""
+    prefix = new_prefix("tt")
+    conn = sessions(prefix)
+    plain, stepped = new_id("p"), new_id("s")
+    t = BASE_MS + 1000
+    set_clock(conn, t)
+    decide(conn, algorithm, plain, 10, WINDOW_MS, 1)
+    decide(conn, algorithm, stepped, 10, WINDOW_MS, 1)
+    decide(conn, algorithm, plain, 10, WINDOW_MS, 1)
+    set_clock(conn, t - 20000)
+    decide(conn, algorithm, stepped, 10, WINDOW_MS, 1)
+    [plain_key] = keys_of(shared_redis, prefix, plain)
+    [stepped_key] = keys_of(shared_redis, prefix, stepped)
+    gap = shared_redis.command("PTTL", stepped_key) - shared_redis.command("PTTL", plain_key)
+    assert 19000 <= gap <= 21000, gap
+
+
 # ---------------------------------------------------------------- 2. property walks
 
 
@@ -423,6 +512,14 @@ class Actor:
         self.conn = conn
         self.levels = None  # None: no transaction; [0] = the top level
         self.aborted = False
+
+
+class Conservative(Exception):
+    """A token bucket or GCRA walk where the implementation gave back less
+    than the model: the refund records of transactions that overlapped a
+    refill are lowered together to the deficit (never too much, see
+    lua/common.lua), so a rollback after such a refill may give back less
+    than "as if never charged". Ends the walk; never a failure."""
 
 
 class Mismatch(AssertionError):
@@ -488,6 +585,7 @@ class Walk:
         want = self.model.decide(self.now, 0)
         self.note("   peek at %d: got remaining %d (allowed %s), model %d" % (self.now, got[2], got[0], want[1]))
         if (got[0], got[1], got[2]) != (want[0], self.cap, want[1]):
+            self.below_model(got[0], got[2], want[0], want[1])
             self.fail("after %s: peek (allowed, lim, remaining) = %r, model %r" % (when, got[:3], (want[0], self.cap, want[1])))
 
     def sync(self, actor):
@@ -502,7 +600,22 @@ class Walk:
         want = self.model.decide(self.now, 0)
         self.note("%s: peek (sync) -> remaining %d, model %d" % (actor.name, got[2], want[1]))
         if (got[0], got[2]) != want:
+            self.below_model(got[0], got[2], want[0], want[1])
             self.fail("%s's own peek after its rollback: %r, model %r" % (actor.name, got[:3], want))
+
+    def below_model(self, got_allowed, got_remaining, want_allowed, want_remaining):
+        """For the token bucket and GCRA, a result below the model (denied
+        where the model allows, or fewer units left) is the conservative
+        side: end the walk as Conservative. Anything above the model is a
+        forged unit and fails."""
+        if self.alg not in BUCKETS:
+            return
+        if (got_allowed, got_remaining) == (want_allowed, want_remaining):
+            return
+        if (not got_allowed and want_allowed) or \
+                (got_allowed == want_allowed and got_remaining < want_remaining):
+            self.note("   conservative: below the model from here on")
+            raise Conservative()
 
     def pick_cost(self):
         c = self.rng.choice([0, 1, 1, 1, 1, 2, 2, 3, self.cap // 2, self.cap, self.cap + 1])
@@ -547,6 +660,7 @@ class Walk:
         ok, remaining, ch = self.model.charge(self.now, cost)
         self.note("%s: %s -> allowed %s remaining %d (model %s %d)" % (actor.name, text, got[0], got[2], ok, remaining))
         if (got[0], got[1], got[2]) != (ok, self.cap, remaining):
+            self.below_model(got[0], got[2], ok, remaining)
             self.fail("charge of %d: (allowed, lim, remaining) = %r, model %r" % (cost, got[:3], (ok, self.cap, remaining)))
         if ch is not None and actor.levels is not None:
             actor.levels[-1].charges.append(ch)
@@ -712,6 +826,7 @@ def test_refund_model_walk(sessions, algorithm):
     prefix = new_prefix("w")
     a, b, observer = sessions(prefix), sessions(prefix), sessions(prefix)
     failures = []
+    conservative = 0
     t0 = time.monotonic()
     for seed in range(WALK_SEEDS):
         walk = Walk(algorithm, seed, a, b, observer, WALK_STEPS)
@@ -719,10 +834,14 @@ def test_refund_model_walk(sessions, algorithm):
             walk.play()
         except Mismatch as e:
             failures.append(str(e))
+        except Conservative:
+            conservative += 1
         finally:
             walk.close()
-    print("%s: %d seeds x %d steps in %.1f s, %d failed"
-          % (algorithm, WALK_SEEDS, WALK_STEPS, time.monotonic() - t0, len(failures)))
+    print("%s: %d seeds x %d steps in %.1f s, %d failed, %d ended below the model"
+          % (algorithm, WALK_SEEDS, WALK_STEPS, time.monotonic() - t0, len(failures), conservative))
+    # most walks must stay exact: only overlaps with a refill may end one
+    assert conservative <= WALK_SEEDS // 4, "%d of %d walks ended below the model" % (conservative, WALK_SEEDS)
     if failures:
         pytest.fail("%d of %d seeds differ from the model; the first:\n%s"
                     % (len(failures), WALK_SEEDS, failures[0]))

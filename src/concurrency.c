@@ -71,7 +71,7 @@ rl_queue_release(RlSlot *slot)
 	const char *argv[3] = {"ZREM", slot->key, slot->token};
 	size_t		argvlen[3] = {4, slot->keylen, strlen(slot->token)};
 
-	rl_defer_command(3, argv, argvlen);
+	rl_defer_command(3, argv, argvlen, true);
 }
 
 /*
@@ -256,6 +256,8 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	asking = NULL;
 	if (reply == NULL || !rl_parse_decision(reply, d, NULL, 0, NULL, &failure))
 	{
+		/* Redis may have given the slot before the call failed: give it back */
+		rl_queue_release(slot);
 		rl_free_slot(slot);
 		rl_apply_on_error(&failure, lim, 1, d);
 		return;

@@ -25,4 +25,5 @@ done
 all="$dir/fixed_window.lua $dir/sliding_window.lua $dir/token_bucket.lua $dir/gcra.lua $dir/sliding_counter.lua"
 emit CHECK_ALL "$dir/common.lua" $all "$dir/run_all.lua"
 emit REFUND "$dir/common.lua" $all "$dir/run_refund.lua"
+emit FORGET "$dir/common.lua" "$dir/run_forget.lua"
 emit CONCURRENCY "$dir/common.lua" "$dir/concurrency.lua"

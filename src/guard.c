@@ -18,7 +18,10 @@
  * backslash and they are joined with ':'. Values of other types than
  * integers and text are rendered with fixed settings (DateStyle ISO,
  * TimeZone UTC, IntervalStyle postgres, extra_float_digits 1, bytea_output
- * hex), so that the session cannot change a row's identity. A denied write
+ * hex), so that the session cannot change a row's identity; values that
+ * compare equal give one identity where the type allows it (numeric without
+ * trailing zeros, an interval as the days and microseconds it compares by,
+ * -0 as 0). A denied write
  * raises SQLSTATE PT429 (which PostgREST answers with HTTP 429) with the
  * limit in DETAIL and the wait in HINT.
  */
@@ -34,6 +37,8 @@
 #include "miscadmin.h"
 #include "pgtime.h"
 #include "utils/builtins.h"
+#include "utils/numeric.h"
+#include "utils/timestamp.h"
 #include "utils/bytea.h"
 #include "utils/float.h"
 #include "utils/guc.h"
@@ -52,6 +57,11 @@ typedef enum RlColumnKind
 	RL_COLUMN_INT4,
 	RL_COLUMN_INT8,
 	RL_COLUMN_TEXT,				/* text, varchar: the bytes */
+	RL_COLUMN_NUMERIC,			/* numeric without trailing zeros (7.0 is 7) */
+	RL_COLUMN_INTERVAL,			/* interval as days and microseconds, as it
+								 * compares ('1 day' is '24 hours') */
+	RL_COLUMN_FLOAT4,			/* float4 under fixed settings, -0 as 0 */
+	RL_COLUMN_FLOAT8,			/* float8 likewise */
 	RL_COLUMN_OUTPUT,			/* through the type's output function */
 	RL_COLUMN_OUTPUT_FIXED		/* the same, under fixed settings */
 } RlColumnKind;
@@ -157,11 +167,18 @@ rl_guard_column_kind(Oid typid)
 		case TEXTOID:
 		case VARCHAROID:
 			return RL_COLUMN_TEXT;
+		case NUMERICOID:
+			return RL_COLUMN_NUMERIC;
+		case INTERVALOID:
+			return RL_COLUMN_INTERVAL;
+		case FLOAT4OID:
+			return RL_COLUMN_FLOAT4;
+		case FLOAT8OID:
+			return RL_COLUMN_FLOAT8;
 		case BOOLOID:
 		case BPCHAROID:
 		case CHAROID:
 		case NAMEOID:
-		case NUMERICOID:
 		case OIDOID:
 		case UUIDOID:
 			return RL_COLUMN_OUTPUT;
@@ -233,7 +250,9 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 		guard->columns[guard->ncolumns] = attnum;
 		typid = TupleDescAttr(RelationGetDescr(rel), attnum - 1)->atttypid;
 		guard->column_kinds[guard->ncolumns] = rl_guard_column_kind(typid);
-		if (guard->column_kinds[guard->ncolumns] == RL_COLUMN_OUTPUT_FIXED)
+		if (guard->column_kinds[guard->ncolumns] == RL_COLUMN_OUTPUT_FIXED ||
+			guard->column_kinds[guard->ncolumns] == RL_COLUMN_FLOAT4 ||
+			guard->column_kinds[guard->ncolumns] == RL_COLUMN_FLOAT8)
 			guard->fixed_settings = true;
 		getTypeOutputInfo(typid, &typoutput, &varlena);
 		fmgr_info_cxt(typoutput, &guard->column_output[guard->ncolumns],
@@ -413,6 +432,47 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 
 					rl_guard_append(buf, VARDATA_ANY(t), VARSIZE_ANY_EXHDR(t),
 									escape);
+					break;
+				}
+			case RL_COLUMN_NUMERIC:
+				{
+					char	   *out = numeric_normalize(DatumGetNumeric(value));
+
+					rl_guard_append(buf, out, strlen(out), escape);
+					pfree(out);
+					break;
+				}
+			case RL_COLUMN_INTERVAL:
+				{
+					Interval   *iv = DatumGetIntervalP(value);
+					int64		days = (int64) iv->month * DAYS_PER_MONTH + iv->day;
+					int64		usecs = iv->time % USECS_PER_DAY;
+
+					days += iv->time / USECS_PER_DAY;
+					if (usecs < 0)
+					{
+						usecs += USECS_PER_DAY;
+						days--;
+					}
+					appendStringInfo(buf, INT64_FORMAT " days " INT64_FORMAT " us",
+									 days, usecs);
+					break;
+				}
+			case RL_COLUMN_FLOAT4:
+			case RL_COLUMN_FLOAT8:
+				{
+					double		f = guard->column_kinds[i] == RL_COLUMN_FLOAT4 ?
+						DatumGetFloat4(value) : DatumGetFloat8(value);
+					char	   *out;
+
+					if (f == 0)
+					{
+						appendStringInfoChar(buf, '0');	/* -0 = 0 */
+						break;
+					}
+					out = OutputFunctionCall(&guard->column_output[i], value);
+					rl_guard_append(buf, out, strlen(out), escape);
+					pfree(out);
 					break;
 				}
 			case RL_COLUMN_OUTPUT:

@@ -283,15 +283,16 @@ rl_error_reply(redisReply *reply, RlFailure *failure)
 /*
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not the integers the scripts return: the
- * decision and its clock, or, with charges (a several-limits call of n
- * charges), the most restrictive decision, its index (stored in *index,
- * 0-based) and the clock of every charge (stored in charges[i].stamp_us).
+ * decision, its clock and the key's epoch, or, with charges (a
+ * several-limits call of n charges), the most restrictive decision, its
+ * index (stored in *index, 0-based), and the clock and epoch of every
+ * charge (stored in charges[i]).
  */
 bool
 rl_parse_decision(redisReply *reply, RlDecision *d, RlCharge *charges, int n,
 				  int *index, RlFailure *failure)
 {
-	size_t		expected = charges ? 6 + n : 6;
+	size_t		expected = charges ? 6 + 2 * n : 7;
 	size_t		i;
 
 	if (reply->type == REDIS_REPLY_ERROR)
@@ -320,11 +321,18 @@ rl_parse_decision(redisReply *reply, RlDecision *d, RlCharge *charges, int n,
 	{
 		*index = (int) reply->element[5]->integer - 1;
 		for (i = 0; i < (size_t) n; i++)
+		{
 			charges[i].stamp_us = reply->element[6 + i]->integer;
+			charges[i].epoch = reply->element[6 + n + i]->integer;
+		}
 		d->stamp_us = charges[*index].stamp_us;
+		d->epoch = charges[*index].epoch;
 	}
 	else
+	{
 		d->stamp_us = reply->element[5]->integer;
+		d->epoch = reply->element[6]->integer;
+	}
 	freeReplyObject(reply);
 	return true;
 
@@ -402,7 +410,7 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	if (ok && d->allowed)
 		for (j = 0; j < n; j++)
 			rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
-							   charges[j].stamp_us, by_guard);
+							   charges[j].stamp_us, charges[j].epoch, by_guard);
 	return ok;
 }
 
@@ -458,7 +466,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 		return;
 	}
 	if (d->allowed && cost > 0)
-		rl_remember_charge(limit, key, cost, d->stamp_us, by_guard);
+		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by_guard);
 }
 
 /* Returns d as an rl_result datum. */
@@ -603,12 +611,45 @@ rl_append_glob_escaped(StringInfo buf, const char *s, int len)
 }
 
 /*
+ * True when key is one of rl_redis's keys of the identity whose braces part
+ * is tag ("{<encoded identity>}"): <prefix><kind>:<tag> or
+ * <prefix><kind>:<tag>:<suffix>, kind an algorithm or "concurrency". (SCAN's
+ * pattern also matches other applications' keys and longer prefixes.)
+ */
+static bool
+rl_reset_owns(const char *key, size_t len, const char *tag, size_t taglen)
+{
+	size_t		prefix_len = strlen(rl_key_prefix);
+	int			i;
+
+	if (len < prefix_len || memcmp(key, rl_key_prefix, prefix_len) != 0)
+		return false;
+	key += prefix_len;
+	len -= prefix_len;
+	for (i = -1; i < rl_num_algorithms; i++)
+	{
+		const char *kind = i < 0 ? "concurrency" : rl_algorithms[i].name;
+		size_t		kindlen = strlen(kind);
+
+		if (len >= kindlen + 1 + taglen &&
+			memcmp(key, kind, kindlen) == 0 && key[kindlen] == ':' &&
+			memcmp(key + kindlen + 1, tag, taglen) == 0 &&
+			(len == kindlen + 1 + taglen || key[kindlen + 1 + taglen] == ':'))
+			return true;
+	}
+	return false;
+}
+
+/*
  * Sends one SCAN step for pattern from cursor and DELetes the keys it
- * returns; returns the next cursor ("0" when done) in cursor.
+ * returns that belong to the identity (tag, see rl_reset_owns); returns the
+ * next cursor ("0" when done) in cursor.
  */
 static void
-rl_reset_step(StringInfo pattern, char *cursor, size_t cursorsize)
+rl_reset_step(StringInfo pattern, const char *tag, size_t taglen,
+			  char *cursor, size_t cursorsize)
 {
+	int			ndel = 1;
 	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
 	size_t		argvlen[6] = {4, strlen(cursor), 5, pattern->len, 5, 4};
 	RlFailure	failure;
@@ -647,7 +688,9 @@ rl_reset_step(StringInfo pattern, char *cursor, size_t cursorsize)
 		dellen[0] = 3;
 		for (i = 0; i < keys->elements; i++)
 		{
-			if (keys->element[i]->type != REDIS_REPLY_STRING)
+			redisReply *k = keys->element[i];
+
+			if (k->type != REDIS_REPLY_STRING)
 			{
 				freeReplyObject(reply);
 				ereport(ERROR,
@@ -655,12 +698,15 @@ rl_reset_step(StringInfo pattern, char *cursor, size_t cursorsize)
 						 errmsg("unexpected reply to SCAN from Redis at %s",
 								rl_server_name())));
 			}
-			del[i + 1] = keys->element[i]->str;
-			dellen[i + 1] = keys->element[i]->len;
+			if (!rl_reset_owns(k->str, k->len, tag, taglen))
+				continue;
+			del[ndel] = k->str;
+			dellen[ndel++] = k->len;
 		}
 		PG_TRY();
 		{
-			rl_admin_command(keys->elements + 1, del, dellen);
+			if (ndel > 1)
+				rl_admin_command(ndel, del, dellen);
 		}
 		PG_FINALLY();
 		{
@@ -679,14 +725,15 @@ PG_FUNCTION_INFO_V1(rl_reset);
 /*
  * rl_reset(identity): deletes every key of the identity under
  * rl_redis.key_prefix: the state of every algorithm, explicit limit and
- * policy (also of policies deleted since) and its concurrency slots. It
- * walks the key space with SCAN, so it takes longer on a large Redis.
+ * policy (also of policies deleted since) and its concurrency slots, and no
+ * other key. It walks the key space with SCAN, so it takes longer on a
+ * large Redis.
  */
 Datum
 rl_reset(PG_FUNCTION_ARGS)
 {
 	text	   *identity = rl_get_identity(fcinfo, 0);
-	StringInfo	key = rl_build_key("", identity, NULL);
+	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
 	StringInfoData pattern;
 	char		cursor[32] = "0";
 	int			prefix_len = strlen(rl_key_prefix);
@@ -701,7 +748,8 @@ rl_reset(PG_FUNCTION_ARGS)
 	do
 	{
 		CHECK_FOR_INTERRUPTS();
-		rl_reset_step(&pattern, cursor, sizeof(cursor));
+		rl_reset_step(&pattern, key->data + prefix_len + 1,
+					  key->len - prefix_len - 1, cursor, sizeof(cursor));
 	} while (strcmp(cursor, "0") != 0);
 	pfree(pattern.data);
 	PG_RETURN_VOID();

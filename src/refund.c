@@ -8,17 +8,20 @@
  * decision functions and rl_check/rl_check_all) or "off".
  *
  * Every (sub)transaction that charges is a refund scope with an id unique
- * across servers. A charge is decided with the ids of its scope and of every
- * enclosing one; the token bucket, GCRA and the sliding log record in Redis
- * what each scope took (see lua/common.lua), while for the fixed window and
- * the sliding counter it is enough to know how many units were taken in
- * which window. Here each scope keeps one entry per key it charged (a hash
- * table in a memory context of its own): the bookkeeping costs O(distinct
- * keys), not O(rows). A committed subtransaction merges its entries into its
- * parent's; an aborted one gives back all of its keys in one script call,
- * queued on the transport, which sends it within a fixed budget at the end
- * of the (sub)transaction and otherwise before the session's next command.
- * A commit forgets everything.
+ * across servers: "<tag>.<pid>.<n>" for a transaction, "<its id>/<n>" for a
+ * savepoint. A charge is decided with the ids of its scope and of the
+ * enclosing ones; the token bucket, GCRA and the sliding log record in
+ * Redis what each scope took (see lua/common.lua), while for the fixed
+ * window and the sliding counter it is enough to know how many units were
+ * taken in which window of which life of the key. Here each scope keeps one
+ * entry per key it charged (a hash table in a memory context of its own):
+ * the bookkeeping costs O(distinct keys), not O(rows). A committed
+ * subtransaction merges its entries into its parent's; an aborted one gives
+ * back all of its keys in one script call, queued on the transport, which
+ * sends it within a fixed budget at the end of the (sub)transaction and
+ * otherwise before the session's next command. A committed transaction
+ * queues the removal of its records from the token bucket's and GCRA's
+ * keys.
  */
 #include "postgres.h"
 
@@ -47,6 +50,8 @@ typedef struct RlPending
 	int64		window;			/* number of the window of the newest charge */
 	int64		units;			/* units taken in that window */
 	int64		prev;			/* units taken in the window before it */
+	int64		epoch;			/* the key's life they were taken from */
+	int64		first;			/* clock of the first charge (µs) */
 	uint64		server;			/* rl_server_generation() of the charges */
 } RlPending;
 
@@ -54,7 +59,7 @@ typedef struct RlPending
 typedef struct RlScope
 {
 	int			nestlevel;		/* GetCurrentTransactionNestLevel() */
-	char		id[40];
+	char		id[64];
 	MemoryContext cxt;
 	HTAB	   *keys;			/* of RlPending; NULL until the first charge */
 	struct RlScope *parent;
@@ -64,6 +69,13 @@ typedef struct RlScope
 static RlScope *innermost = NULL;
 static uint64 scope_counter = 0;
 static uint32 backend_tag = 0;
+
+/*
+ * A charge is recorded under the transaction's scope and at most this many
+ * savepoints' less one (the innermost): the sliding log tags each unit with
+ * them.
+ */
+#define RL_MAX_SCOPE_DEPTH 8
 
 /* the scopes argument of the last call, "id1,id2,..." */
 static StringInfoData scopes_arg;
@@ -102,15 +114,25 @@ rl_scope_open(int nestlevel, RlScope *parent)
 											  "rl_redis refund scope",
 											  ALLOCSET_SMALL_SIZES);
 	RlScope    *scope = MemoryContextAllocZero(cxt, sizeof(RlScope));
+	RlScope    *top;
 
 	if (backend_tag == 0)
 		backend_tag = pg_prng_uint32(&pg_global_prng_state) | 1;
 	scope->nestlevel = nestlevel;
 	scope->cxt = cxt;
 	scope->parent = parent;
-	snprintf(scope->id, sizeof(scope->id), "%x.%x.%llx",
-			 backend_tag, (unsigned int) MyProcPid,
-			 (unsigned long long) ++scope_counter);
+	++scope_counter;
+	if (parent == NULL)
+		snprintf(scope->id, sizeof(scope->id), "%x.%x.%llx",
+				 backend_tag, (unsigned int) MyProcPid,
+				 (unsigned long long) scope_counter);
+	else
+	{
+		for (top = parent; top->parent != NULL; top = top->parent)
+			;
+		snprintf(scope->id, sizeof(scope->id), "%s/%llx", top->id,
+				 (unsigned long long) scope_counter);
+	}
 	return scope;
 }
 
@@ -130,15 +152,17 @@ rl_scopes_ensure(void)
 
 /*
  * Returns the refund scopes argument of a charge that refund_on_abort
- * covers: the ids of the current scope and every enclosing one, outermost
- * first, joined with ','; "" when the charge is not to be refunded.
+ * covers: the ids of the transaction's scope and of the innermost
+ * RL_MAX_SCOPE_DEPTH - 1 enclosing savepoints (deeper ones give back
+ * nothing), outermost first, joined with ','; "" when the charge is not to
+ * be refunded.
  */
 const char *
 rl_refund_scopes(bool by_guard)
 {
 	RlScope    *s;
 	int			n = 0;
-	const char *ids[64];
+	const char *ids[RL_MAX_SCOPE_DEPTH];
 
 	if (!rl_refund_wanted(by_guard) || !IsTransactionState())
 		return "";
@@ -151,9 +175,11 @@ rl_refund_scopes(bool by_guard)
 		MemoryContextSwitchTo(old);
 	}
 	resetStringInfo(&scopes_arg);
-	/* the innermost 64 levels at most: deeper ones then give back nothing */
-	for (s = innermost; s != NULL && n < lengthof(ids); s = s->parent)
+	for (s = innermost; s->parent != NULL && n < RL_MAX_SCOPE_DEPTH - 1; s = s->parent)
 		ids[n++] = s->id;
+	while (s->parent != NULL)
+		s = s->parent;
+	ids[n++] = s->id;			/* the transaction's */
 	while (n-- > 0)
 	{
 		appendStringInfoString(&scopes_arg, ids[n]);
@@ -163,10 +189,25 @@ rl_refund_scopes(bool by_guard)
 	return scopes_arg.data;
 }
 
-/* Adds units taken in window number window to a pending entry. */
+/*
+ * Adds units taken in window number window of the key's life epoch, first
+ * at clock first, to a pending entry. Units of an earlier life (the key was
+ * deleted and made again) or of a window before the previous one can never
+ * be given back: they are dropped.
+ */
 static void
-rl_pending_add(RlPending *p, int64 window, int64 units, int64 prev)
+rl_pending_add(RlPending *p, int64 window, int64 units, int64 prev,
+			   int64 epoch, int64 first)
 {
+	if (epoch != p->epoch)
+	{
+		p->window = window;
+		p->units = 0;
+		p->prev = 0;
+		p->epoch = epoch;
+	}
+	if (first < p->first)
+		p->first = first;
 	if (window == p->window)
 	{
 		p->units += units;
@@ -186,7 +227,6 @@ rl_pending_add(RlPending *p, int64 window, int64 units, int64 prev)
 	}
 	else if (window == p->window - 1)
 		p->prev += units;
-	/* older than that: nothing of it can be given back any more */
 }
 
 /* Finds or makes scope's entry for key, with limit. */
@@ -222,6 +262,8 @@ rl_pending_entry(RlScope *scope, const char *key, int keylen,
 		p->window = PG_INT64_MIN / 2;
 		p->units = 0;
 		p->prev = 0;
+		p->epoch = 0;
+		p->first = PG_INT64_MAX;
 		p->server = rl_server_generation();
 	}
 	else if (p->server != rl_server_generation())
@@ -230,6 +272,7 @@ rl_pending_entry(RlScope *scope, const char *key, int keylen,
 		p->window = PG_INT64_MIN / 2;
 		p->units = 0;
 		p->prev = 0;
+		p->first = PG_INT64_MAX;
 		p->server = rl_server_generation();
 	}
 	p->limit = *limit;
@@ -237,13 +280,13 @@ rl_pending_entry(RlScope *scope, const char *key, int keylen,
 }
 
 /*
- * Remembers that cost units were taken from key under limit on the clock
- * stamp_us (Redis's), in the current scope, when refund_on_abort covers
- * this kind of call.
+ * Remembers that cost units were taken from key (in its life epoch) under
+ * limit on the clock stamp_us (Redis's), in the current scope, when
+ * refund_on_abort covers this kind of call.
  */
 void
 rl_remember_charge(const RlLimit *limit, StringInfo key, int32 cost,
-				   int64 stamp_us, bool by_guard)
+				   int64 stamp_us, int64 epoch, bool by_guard)
 {
 	RlPending  *p;
 
@@ -251,24 +294,54 @@ rl_remember_charge(const RlLimit *limit, StringInfo key, int32 cost,
 		return;
 	rl_scopes_ensure();
 	p = rl_pending_entry(innermost, key->data, key->len, limit);
-	rl_pending_add(p, stamp_us / (limit->window_ms * 1000), cost, 0);
+	rl_pending_add(p, stamp_us / (limit->window_ms * 1000), cost, 0, epoch,
+				   stamp_us);
+}
+
+/* True for the algorithms whose refund may be sent twice harmlessly. */
+static bool
+rl_refund_idempotent(const RlAlgorithm *algorithm)
+{
+	/* fixed and sliding_counter subtract; the others drop a record or tags */
+	return strcmp(algorithm->name, "fixed") != 0 &&
+		strcmp(algorithm->name, "sliding_counter") != 0;
 }
 
 /*
- * Queues the refund of everything scope took, in one script call, with the
- * ids of its enclosing scopes (whose records in Redis shrink by what it
- * gives back).
+ * True when scope entry p goes into a call: charged on the current server,
+ * of the kind asked for (refunds that may or may not be sent twice; for the
+ * forget call, the keys that keep records).
+ */
+static bool
+rl_scope_wants(const RlPending *p, bool refund, bool idempotent)
+{
+	const char *name = p->limit.algorithm->name;
+
+	if (p->server != rl_server_generation())
+		return false;
+	if (!refund)
+		return strcmp(name, "token_bucket") == 0 || strcmp(name, "gcra") == 0;
+	return rl_refund_idempotent(p->limit.algorithm) == idempotent;
+}
+
+/*
+ * Queues one script call with the scope's entries that rl_scope_wants:
+ * KEYS their keys; ARGV for a refund (run_refund.lua) the clock, the scope,
+ * its parents and nine numbers per key, for the forget call
+ * (run_forget.lua) the scope.
  */
 static void
-rl_scope_give_back(RlScope *scope)
+rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
+			   bool idempotent)
 {
 	HASH_SEQ_STATUS seq;
 	RlPending  *p;
-	long		n;
+	RlPending **list;
+	long		n = 0;
+	long		j;
 	int			argc;
 	const char **argv;
 	size_t	   *argvlen;
-	char	   *numbers;
 	char	   *num;
 	char		now_s[24];
 	StringInfoData parents;
@@ -278,20 +351,22 @@ rl_scope_give_back(RlScope *scope)
 
 	if (scope->keys == NULL)
 		return;
-	/* only what was charged on the server the connection settings name now */
-	n = 0;
+	old = MemoryContextSwitchTo(scope->cxt);
+	list = palloc(sizeof(RlPending *) * (hash_get_num_entries(scope->keys) + 1));
 	hash_seq_init(&seq, scope->keys);
 	while ((p = hash_seq_search(&seq)) != NULL)
-		if (p->server == rl_server_generation())
-			n++;
+		if (rl_scope_wants(p, refund, idempotent))
+			list[n++] = p;
 	if (n == 0)
+	{
+		MemoryContextSwitchTo(old);
 		return;
-	old = MemoryContextSwitchTo(scope->cxt);
+	}
 
-	argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 3 + 7 * n;
-	argv = MemoryContextAlloc(scope->cxt, sizeof(char *) * argc);
-	argvlen = MemoryContextAlloc(scope->cxt, sizeof(size_t) * argc);
-	num = numbers = MemoryContextAlloc(scope->cxt, n * 6 * 24 + 24);
+	argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + (refund ? 3 + 9 * n : 1);
+	argv = palloc(sizeof(char *) * argc);
+	argvlen = palloc(sizeof(size_t) * argc);
+	num = palloc(n * 8 * 24 + 24);
 	initStringInfo(&parents);
 	for (s = scope->parent; s != NULL; s = s->parent)
 	{
@@ -304,55 +379,68 @@ rl_scope_give_back(RlScope *scope)
 	argv[i] = num;
 	argvlen[i++] = pg_ltoa((int32) n, num);
 	num += 24;
-	hash_seq_init(&seq, scope->keys);
-	while ((p = hash_seq_search(&seq)) != NULL)
+	for (j = 0; j < n; j++)
 	{
-		if (p->server != rl_server_generation())
-			continue;
-		argv[i] = p->key.data;
-		argvlen[i++] = p->key.len;
+		argv[i] = list[j]->key.data;
+		argvlen[i++] = list[j]->key.len;
 	}
-	argv[i] = now_s;
-	argvlen[i++] = rl_clock_arg(now_s);
+	if (refund)
+	{
+		argv[i] = now_s;
+		argvlen[i++] = rl_clock_arg(now_s);
+	}
 	argv[i] = scope->id;
 	argvlen[i++] = strlen(scope->id);
-	argv[i] = parents.data;
-	argvlen[i++] = parents.len;
-	hash_seq_init(&seq, scope->keys);
-	while ((p = hash_seq_search(&seq)) != NULL)
+	if (refund)
 	{
-		if (p->server != rl_server_generation())
-			continue;
-		argv[i] = p->limit.algorithm->name;
-		argvlen[i++] = strlen(p->limit.algorithm->name);
-		argv[i] = num;
-		argvlen[i++] = pg_ltoa(p->limit.lim, num);
-		num += 24;
-		argv[i] = num;
-		argvlen[i++] = pg_lltoa(p->limit.window_ms, num);
-		num += 24;
-		argv[i] = num;
-		argvlen[i++] = pg_ltoa(p->limit.burst, num);
-		num += 24;
-		argv[i] = num;
-		argvlen[i++] = pg_lltoa(p->window, num);
-		num += 24;
-		argv[i] = num;
-		argvlen[i++] = pg_lltoa(p->units, num);
-		num += 24;
-		argv[i] = num;
-		argvlen[i++] = pg_lltoa(p->prev, num);
-		num += 24;
+		argv[i] = parents.data;
+		argvlen[i++] = parents.len;
+		for (j = 0; j < n; j++)
+		{
+			int64		numbers[8];
+			int			k;
+
+			p = list[j];
+			argv[i] = p->limit.algorithm->name;
+			argvlen[i++] = strlen(p->limit.algorithm->name);
+			numbers[0] = p->limit.lim;
+			numbers[1] = p->limit.window_ms;
+			numbers[2] = p->limit.burst;
+			numbers[3] = p->window;
+			numbers[4] = p->units;
+			numbers[5] = p->prev;
+			numbers[6] = p->epoch;
+			numbers[7] = p->first;
+			for (k = 0; k < 8; k++)
+			{
+				argv[i] = num;
+				argvlen[i++] = pg_lltoa(numbers[k], num);
+				num += 24;
+			}
+		}
 	}
 	Assert(i == argc);
 
 	/* sent as EVAL: it may reach Redis after a restart flushed the scripts */
 	argv[0] = "EVAL";
 	argvlen[0] = 4;
-	argv[1] = rl_script_refund.body;
-	argvlen[1] = strlen(rl_script_refund.body);
-	rl_defer_command(argc, argv, argvlen);
+	argv[1] = script->body;
+	argvlen[1] = strlen(script->body);
+	rl_defer_command(argc, argv, argvlen, idempotent);
 	MemoryContextSwitchTo(old);
+}
+
+/*
+ * Queues the refund of everything scope took, with the ids of its enclosing
+ * scopes (whose records in Redis shrink by what it gives back): one call for
+ * the refunds that may be sent again after a lost connection, one for those
+ * that may not.
+ */
+static void
+rl_scope_give_back(RlScope *scope)
+{
+	rl_scope_queue(scope, &rl_script_refund, true, true);
+	rl_scope_queue(scope, &rl_script_refund, true, false);
 }
 
 /* Hands scope's entries to its parent (a subtransaction committed). */
@@ -374,8 +462,8 @@ rl_scope_merge_up(RlScope *scope)
 		q = rl_pending_entry(scope->parent, p->key.data, p->key.len,
 							 &p->limit);
 
-		rl_pending_add(q, p->window - 1, p->prev, 0);
-		rl_pending_add(q, p->window, p->units, 0);
+		rl_pending_add(q, p->window - 1, p->prev, 0, p->epoch, p->first);
+		rl_pending_add(q, p->window, p->units, 0, p->epoch, p->first);
 	}
 }
 
@@ -421,6 +509,24 @@ rl_refund_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_COMMIT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PREPARE:
+			/* the records of the transaction will never be used */
+			if (innermost != NULL)
+			{
+				RlScope    *top = innermost;
+
+				while (top->parent != NULL)
+					top = top->parent;
+				rl_hold_save(&hold);
+				PG_TRY();
+				{
+					rl_scope_queue(top, &rl_script_forget, false, true);
+				}
+				PG_CATCH();
+				{
+					rl_hold_restore(&hold);
+				}
+				PG_END_TRY();
+			}
 			innermost = NULL;
 			break;
 		default:

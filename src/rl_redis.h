@@ -122,7 +122,7 @@ extern void rl_transport_init(void);
 extern redisReply *rl_command(int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
 extern void rl_defer_command(int argc, const char **argv,
-							 const size_t *argvlen);
+							 const size_t *argvlen, bool idempotent);
 extern const char *rl_server_name(void);
 extern uint64 rl_server_generation(void);
 
@@ -140,6 +140,7 @@ extern const RlScript rl_script_gcra;
 extern const RlScript rl_script_sliding_counter;
 extern const RlScript rl_script_check_all;
 extern const RlScript rl_script_refund;
+extern const RlScript rl_script_forget;
 extern const RlScript rl_script_concurrency;
 
 /* argv[0] and argv[1] are left for rl_run_script to fill in */
@@ -168,6 +169,7 @@ typedef struct RlDecision
 	int64		reset_ms;
 	int64		retry_after_ms;
 	int64		stamp_us;		/* the clock Redis decided on */
+	int64		epoch;			/* the key's epoch (fixed, sliding_counter) */
 	bool		from_redis;		/* false: rl_redis.on_error decided */
 } RlDecision;
 
@@ -217,6 +219,7 @@ typedef struct RlCharge
 	StringInfo	key;
 	int32		cost;			/* < 0 gives units back */
 	int64		stamp_us;		/* filled in: the clock it was decided on */
+	int64		epoch;			/* filled in: the key's epoch */
 } RlCharge;
 
 extern bool rl_parse_decision(redisReply *reply, RlDecision *d,
@@ -248,7 +251,8 @@ extern RlLimit rl_policy_find(FunctionCallInfo fcinfo, const char *name);
 extern void rl_refund_init(void);
 extern const char *rl_refund_scopes(bool by_guard);
 extern void rl_remember_charge(const RlLimit *limit, StringInfo key,
-							   int32 cost, int64 stamp_us, bool by_guard);
+							   int32 cost, int64 stamp_us, int64 epoch,
+							   bool by_guard);
 
 /* concurrency limits (concurrency.c) */
 extern void rl_concurrency_init(void);

@@ -20,6 +20,7 @@ const RlScript rl_script_gcra = {RL_LUA_GCRA, RL_LUA_GCRA_SHA};
 const RlScript rl_script_sliding_counter = {RL_LUA_SLIDING_COUNTER, RL_LUA_SLIDING_COUNTER_SHA};
 const RlScript rl_script_check_all = {RL_LUA_CHECK_ALL, RL_LUA_CHECK_ALL_SHA};
 const RlScript rl_script_refund = {RL_LUA_REFUND, RL_LUA_REFUND_SHA};
+const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA};
 const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA};
 
 /*

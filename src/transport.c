@@ -16,11 +16,14 @@
  * Work that belongs to the end of a (sub)transaction (slot releases,
  * refunds) is queued with rl_defer_command. The transaction callback here,
  * which runs after the other modules' ones, writes the queue to an open
- * connection within a fixed budget and does not wait for the replies, which
- * the next command reads first. It never connects (no host-name lookup at
- * commit), never raises, and whatever it could not write stays queued for
- * the session's next command. A command written whole is never sent again,
- * so nothing is applied twice.
+ * connection within a fixed budget and reads the replies it can within it;
+ * the rest are read before the next command. It never connects (no
+ * host-name lookup at commit) and never raises. A queued command leaves the
+ * queue when its reply is read. When the connection is lost first, a
+ * command that is harmless to repeat (a slot release, a refund that drops a
+ * record) is sent again on the next connection, and one that is not (a
+ * refund that subtracts) is dropped, as it may have been applied: nothing
+ * is applied twice.
  *
  * With rl_redis.tls, the bytes go through OpenSSL on the same non-blocking
  * socket (rl_io_read/rl_io_write): a TLS handshake, read or write that has
@@ -68,8 +71,9 @@ typedef struct RlConnection
 	SSL		   *ssl;
 	bool		ready;			/* connected, nothing unread but the pending
 								 * replies: safe to send */
-	int			pending_replies;	/* replies of queued commands sent at a
-									 * transaction end, not read yet */
+	int			pending_replies;	/* the first commands of the queue that
+									 * were written whole, their replies not
+									 * read yet */
 	char		server[300];	/* "host:port" or the socket path */
 } RlConnection;
 
@@ -83,20 +87,27 @@ static StringInfoData out;
 
 /*
  * Commands queued for the end of a transaction: encoded one after another in
- * queue, the end offset of each in queue_ends. What a transaction end could
- * not write waits for the next command; beyond RL_MAX_QUEUE bytes left
- * waiting it is dropped with a warning. It belongs to one server: when the
- * connection settings name another, it is dropped too.
+ * queue; the end offset of each in queue_ends, and whether it may be sent
+ * twice in queue_idempotent. What a transaction end could not write waits
+ * for the next command, which sends it first: so the queue never holds more
+ * than the work of the transaction ends since the last command that reached
+ * Redis (a charge needs such a command). It belongs to one server: when the
+ * connection settings name another, it is dropped with a warning. While the queue is being
+ * written, queue_write_from and queue_write_done say which bytes went out,
+ * so that a write cut short by an error or an interrupt is accounted for.
  */
 static StringInfoData queue;
 static int *queue_ends = NULL;
+static bool *queue_idempotent = NULL;
 static int	queue_count = 0;
 static int	queue_max = 0;
+static bool queue_writing = false;
+static size_t queue_write_from = 0;
+static size_t queue_write_done = 0;
 
 /* counts the changes of server (connection settings) */
 static uint64 server_generation = 1;
 
-#define RL_MAX_QUEUE (16 * 1024 * 1024)
 
 /* the most a transaction end waits on Redis */
 #define RL_XACT_END_BUDGET_MS 1000
@@ -113,6 +124,7 @@ static char inbuf[16384];
 
 static void rl_transport_exit(int code, Datum arg);
 static void rl_discard_queue(const char *why);
+static void rl_queue_unconfirmed(void);
 
 /* Closes the socket and frees everything that belongs to the connection. */
 static void
@@ -137,7 +149,7 @@ rl_disconnect(void)
 		redisReaderFree(conn.reader);
 	conn.reader = NULL;
 	conn.ready = false;
-	conn.pending_replies = 0;
+	rl_queue_unconfirmed();
 }
 
 /*
@@ -906,73 +918,93 @@ rl_connection_alive(void)
 	return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
-/*
- * Takes the commands wholly within the first done bytes off the queue and
- * returns how many.
- */
-static int
-rl_queue_trim(size_t done)
+/* The offset in queue at which command k begins. */
+static size_t
+rl_queue_offset(int k)
 {
-	int			sent = 0;
-	int			cut;
-	int			i;
-
-	while (sent < queue_count && (size_t) queue_ends[sent] <= done)
-		sent++;
-	if (sent == 0)
-		return 0;
-	cut = queue_ends[sent - 1];
-	memmove(queue.data, queue.data + cut, queue.len - cut);
-	queue.len -= cut;
-	queue.data[queue.len] = '\0';
-	for (i = sent; i < queue_count; i++)
-		queue_ends[i - sent] = queue_ends[i] - cut;
-	queue_count -= sent;
-	return sent;
+	return k == 0 ? 0 : (size_t) queue_ends[k - 1];
 }
 
-/*
- * Writes the queued commands to the open connection before deadline. Those
- * written whole leave the queue (also when an interrupt ends the write: they
- * are never sent twice), and their replies are read before the next
- * command's; false (the connection discarded, the rest kept) on failure.
- */
-static bool
-rl_send_queue(TimestampTz deadline, RlFailure *failure)
+/* Takes command k off the queue. */
+static void
+rl_queue_remove(int k)
 {
-	volatile size_t done = 0;
-	bool		ok;
-	int			sent;
+	size_t		from = rl_queue_offset(k);
+	size_t		len = queue_ends[k] - from;
+	int			i;
 
-	conn.ready = false;
-	PG_TRY();
+	memmove(queue.data + from, queue.data + from + len, queue.len - from - len);
+	queue.len -= len;
+	queue.data[queue.len] = '\0';
+	for (i = k + 1; i < queue_count; i++)
 	{
-		ok = rl_write(queue.data, queue.len, (size_t *) &done, deadline, failure);
+		queue_ends[i - 1] = queue_ends[i] - len;
+		queue_idempotent[i - 1] = queue_idempotent[i];
 	}
-	PG_CATCH();
-	{
-		rl_queue_trim(done);
-		PG_RE_THROW();
-	}
-	PG_END_TRY();
-	sent = rl_queue_trim(done);
-	if (!ok)
-		return false;
-	conn.ready = true;
-	conn.pending_replies += sent;
+	queue_count--;
 	if (queue_count == 0 && queue.maxlen > RL_KEEP_BUFFER)
 	{
 		pfree(queue.data);
 		queue.data = NULL;
 	}
+}
+
+/*
+ * The connection is going: of the queued commands written whole whose
+ * replies were not read (they may have been applied), keeps those that may
+ * be sent again and drops the others. Commands written in part were not
+ * applied (Redis runs only whole commands) and stay.
+ */
+static void
+rl_queue_unconfirmed(void)
+{
+	int			written = conn.pending_replies;
+	int			k;
+
+	if (queue_writing)
+	{
+		while (written < queue_count &&
+			   (size_t) queue_ends[written] <= queue_write_from + queue_write_done)
+			written++;
+		queue_writing = false;
+	}
+	for (k = written - 1; k >= 0; k--)
+		if (!queue_idempotent[k])
+			rl_queue_remove(k);
+	conn.pending_replies = 0;
+}
+
+/*
+ * Writes the queued commands not written yet to the open connection before
+ * deadline; their replies are read by rl_read_pending. False (the
+ * connection discarded) on failure.
+ */
+static bool
+rl_send_queue(TimestampTz deadline, RlFailure *failure)
+{
+	int			k = conn.pending_replies;
+
+	if (k == queue_count)
+		return true;
+	conn.ready = false;
+	queue_write_from = rl_queue_offset(k);
+	queue_write_done = 0;
+	queue_writing = true;
+	if (!rl_write(queue.data + queue_write_from, queue.len - queue_write_from,
+				  &queue_write_done, deadline, failure))
+		return false;			/* rl_disconnect accounted for the write */
+	queue_writing = false;
+	conn.pending_replies = queue_count;
+	conn.ready = true;
 	return true;
 }
 
 /*
- * Reads the replies of the queued commands sent at a transaction end; an
- * error reply is logged. False (with the failure filled in) when the
- * connection failed, or, with patient, when the deadline passed first
- * (failure->sqlerrcode 0; the rest of the replies are read later).
+ * Reads the replies of the queued commands written to the connection and
+ * takes each off the queue; an error reply is logged. False (with the
+ * failure filled in) when the connection failed, or, with patient, when the
+ * deadline passed first (failure->sqlerrcode 0; the rest of the replies are
+ * read later).
  */
 static bool
 rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
@@ -985,6 +1017,7 @@ rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
 		if (reply == NULL)
 			return false;
 		conn.pending_replies--;
+		rl_queue_remove(0);
 		if (reply->type == REDIS_REPLY_ERROR)
 		{
 			char		text[256];
@@ -995,7 +1028,7 @@ rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
 					(errcode(ERRCODE_CONNECTION_EXCEPTION),
 					 errmsg("Redis at %s refused a rate-limit command sent at the end of a transaction: %s",
 							conn.server, text),
-					 errdetail("Units taken in a rolled-back transaction may not have been given back.")));
+					 errdetail("A slot may stay taken until its lease ends, or units of a rolled-back transaction may not have been given back.")));
 		}
 		else
 			freeReplyObject(reply);
@@ -1005,10 +1038,12 @@ rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
 
 /*
  * Queues a command to be sent at the end of the current (sub)transaction,
- * or with the session's next command. Raises only when out of memory.
+ * or with the session's next command; idempotent: it may be sent twice
+ * (after a lost connection) without harm. Raises only when out of memory.
  */
 void
-rl_defer_command(int argc, const char **argv, const size_t *argvlen)
+rl_defer_command(int argc, const char **argv, const size_t *argvlen,
+				 bool idempotent)
 {
 	MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
 
@@ -1019,25 +1054,33 @@ rl_defer_command(int argc, const char **argv, const size_t *argvlen)
 		queue_max = Max(16, queue_max * 2);
 		queue_ends = queue_ends ? repalloc(queue_ends, sizeof(int) * queue_max) :
 			palloc(sizeof(int) * queue_max);
+		queue_idempotent = queue_idempotent ?
+			repalloc(queue_idempotent, sizeof(bool) * queue_max) :
+			palloc(sizeof(bool) * queue_max);
 	}
 	rl_encode(&queue, argc, argv, argvlen);
+	queue_idempotent[queue_count] = idempotent;
 	queue_ends[queue_count++] = queue.len;
 	MemoryContextSwitchTo(old);
 }
 
-/* Drops everything queued, with a warning that says why. */
+/*
+ * Drops everything queued that is not on its way (written, its reply not
+ * read yet), with a warning that says why.
+ */
 static void
 rl_discard_queue(const char *why)
 {
-	if (queue_count == 0)
+	int			dropped = queue_count - conn.pending_replies;
+
+	if (dropped <= 0)
 		return;
 	ereport(WARNING,
 			(errmsg("%d rate-limit commands of transaction ends (slot releases, refunds) were dropped: %s",
-					queue_count, why),
+					dropped, why),
 			 errdetail("Slots end with their lease; units of rolled-back transactions were not given back.")));
-	queue_count = 0;
-	pfree(queue.data);
-	queue.data = NULL;
+	while (queue_count > conn.pending_replies)
+		rl_queue_remove(queue_count - 1);
 }
 
 /*
@@ -1056,13 +1099,11 @@ rl_flush_queue(void)
 
 	if (queue_count == 0)
 		return;
+	/* a connection the server closed while idle would swallow the queue */
+	if (conn.ready && conn.pending_replies == 0 && !rl_connection_alive())
+		rl_disconnect();
 	if (!conn.ready || conn.sock == PGINVALID_SOCKET)
 	{
-		if (queue.len > RL_MAX_QUEUE)
-		{
-			rl_discard_queue("more than 16 MB was waiting for Redis");
-			return;
-		}
 		ereport(WARNING,
 				(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
 				 errdetail("There is no usable connection to Redis at %s now.",
@@ -1092,8 +1133,6 @@ rl_flush_queue(void)
 		rl_disconnect();
 	}
 	PG_END_TRY();
-	if (queue.len > RL_MAX_QUEUE)
-		rl_discard_queue("more than 16 MB was waiting for Redis");
 }
 
 /*
@@ -1145,7 +1184,7 @@ rl_transport_exit(int code, Datum arg)
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
-		if ((queue_count == 0 || rl_send_queue(deadline, &failure)) &&
+		if (rl_send_queue(deadline, &failure) &&
 			rl_read_pending(deadline, true, &failure))
 			rl_disconnect();
 	}
@@ -1212,7 +1251,7 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 	}
 
 	deadline = rl_deadline(rl_command_timeout);
-	if ((queue_count == 0 || rl_send_queue(deadline, failure)) &&
+	if (rl_send_queue(deadline, failure) &&
 		rl_read_pending(deadline, false, failure))
 	{
 		resetStringInfo(&out);

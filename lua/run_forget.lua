@@ -1,0 +1,21 @@
+-- Main part of the forget script: a transaction committed, so the refund
+-- records its scopes keep in the token bucket's and GCRA's keys will never
+-- be used; drops them (and keeps the count of records right).
+-- KEYS[i]  a key the transaction charged
+-- ARGV     the transaction's scope id
+-- Returns the number of keys.
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  if redis.call('EXISTS', key) == 1 then
+    local recs = records_read(key)
+    local gone = false
+    for scope, r in pairs(recs) do
+      if top_of(scope) == ARGV[1] then
+        r[1] = 0
+        gone = true
+      end
+    end
+    if gone then records_write(key, recs) end
+  end
+end
+return #KEYS
