@@ -181,31 +181,51 @@ local function records_write(key, recs)
 end
 
 -- Adds amount, charged at now, to the records of every scope in scopes
--- (made as needed); beyond MAX_SCOPES records, drops the least recently
--- charged transaction's.
+-- (made as needed). Beyond MAX_SCOPES records, drops first the records of
+-- this transaction's savepoints that are no longer open (not in scopes:
+-- released into an enclosing level, which owes their charges too), then
+-- the least recently charged other transaction's; never the open scopes of
+-- this charge.
 local function records_add(recs, scopes, amount, now)
   local n = 0
-  for _ in pairs(recs) do n = n + 1 end
+  for _, r in pairs(recs) do
+    if r[1] > 0 then n = n + 1 end
+  end
+  local mine = {}
   for _, scope in ipairs(scopes) do
+    mine[scope] = true
     local r = recs[scope]
-    if r then
+    if r and r[1] > 0 then
       r[1], r[2] = r[1] + amount, now
     else
-      recs[scope] = {amount, now, ''}
+      recs[scope] = {amount, now, r and r[3] or ''}
       n = n + 1
+    end
+  end
+  if n <= MAX_SCOPES or #scopes == 0 then return end
+  local top = top_of(scopes[1])
+  for scope, r in pairs(recs) do
+    if n <= MAX_SCOPES then return end
+    if r[1] > 0 and not mine[scope] and top_of(scope) == top then
+      r[1] = 0
+      n = n - 1
     end
   end
   while n > MAX_SCOPES do
     local oldest = nil
     for scope, r in pairs(recs) do
-      if top_of(scope) == scope and r[1] > 0 and
+      if top_of(scope) == scope and r[1] > 0 and not mine[scope] and
          (oldest == nil or r[2] < recs[oldest][2]) then
         oldest = scope
       end
     end
-    if oldest == nil then break end
-    recs[oldest][1] = 0   -- records_lower drops its savepoints' too
-    n = n - 1
+    if oldest == nil then return end
+    for scope, r in pairs(recs) do
+      if top_of(scope) == oldest and r[1] > 0 then
+        r[1] = 0
+        n = n - 1
+      end
+    end
   end
 end
 

@@ -494,6 +494,26 @@ def test_state_outlives_a_clock_step_back(sessions, shared_redis, algorithm):
     assert 19000 <= gap <= 21000, gap
 
 
+@pytest.mark.parametrize("algorithm", BUCKETS)
+def test_many_released_savepoints_keep_the_transactions_refund(sessions, algorithm):
+    """A transaction that charges one key in 100 exception blocks that are
+    left normally (each a released savepoint) and then rolls back gives
+    back all 101 units: its released savepoints' records, not its own, make
+    room when a key holds too many."""
+    prefix = new_prefix("rs")
+    conn = sessions(prefix)
+    identity = new_id()
+    set_clock(conn, BASE_MS)
+    call = call_text(algorithm, identity, 1000, 600000, 1)
+    conn.execute("BEGIN")
+    conn.execute("SELECT " + call)
+    conn.execute("DO $$ BEGIN FOR i IN 1 .. 100 LOOP BEGIN PERFORM %s; "
+                 "EXCEPTION WHEN OTHERS THEN RAISE; END; END LOOP; END $$" % call)
+    assert peek(conn, algorithm, identity, 1000, 600000)[:3] == (True, 1000, 899)
+    conn.execute("ROLLBACK")
+    assert peek(conn, algorithm, identity, 1000, 600000)[:3] == (True, 1000, 1000)
+
+
 # ---------------------------------------------------------------- 2. property walks
 
 

@@ -671,8 +671,8 @@ def test_terminate_with_hung_redis_holding_slot(env, redis_factory, kind):
 def test_interrupted_call_does_not_strand_slots(env, redis_factory, kind):
     """Item 14: slots held by a transaction whose call was cancelled (Redis
     stopped, statement_timeout) are released by the session's next call, not
-    by the lease. (Not covered: the slot of a cancelled acquire itself, which
-    the README documents may be held until its lease ends.)"""
+    by the lease. (test_failed_acquire_gives_its_slot_back covers the slot
+    of the cancelled acquire itself.)"""
     r = redis_factory()
     lim = 3
     policy = env.policy("concurrency", lim, LEASE_MS) if kind == "policy" else None
@@ -697,6 +697,40 @@ def test_interrupted_call_does_not_strand_slots(env, redis_factory, kind):
     use_redis(other, r)
     ok, waited = wait_until(lambda: slots_free(other, kind, policy, identity, lim), 5.0)
     assert ok, "slots still held %.1f s after the session's next call" % waited
+
+
+@pytest.mark.parametrize("how", ["statement_timeout", "command_timeout"])
+def test_failed_acquire_gives_its_slot_back(env, redis_factory, how):
+    """Review finding: an acquire whose call ends without a reply (cancelled
+    by statement_timeout, or past command_timeout) may have been given its
+    slot by Redis: the slot is given back (with the session's next call),
+    not held for the whole lease."""
+    r = redis_factory()
+    policy = env.policy("concurrency", 1, LEASE_MS)
+    conn = env.connect()
+    use_redis(conn, r, on_error="error")
+    collect_notices(conn)
+    identity = new_ident("failedacquire")
+    if how == "statement_timeout":
+        conn.execute("SET statement_timeout = '300ms'")
+        expected = "57014"
+    else:
+        set_gucs(conn, command_timeout=300)
+        expected = "08006"
+    r.pause()
+    try:
+        state = sqlstate_of(conn, "SELECT rl_acquire(%s, %s)", (policy, identity))
+        assert state == expected
+    finally:
+        r.resume()
+    # Redis now runs the acquire it had read; the session's next call sends
+    # the release first
+    conn.execute("RESET statement_timeout")
+    assert in_sync_call(conn, new_ident("next")) == (True, 777)
+    other = env.connect()
+    use_redis(other, r)
+    ok, waited = wait_until(lambda: slots_free(other, "policy", policy, identity, 1), 5.0)
+    assert ok, "the failed acquire's slot is still held %.1f s after the next call" % waited
 
 
 def test_lease_limits(env, shared_redis):
