@@ -74,6 +74,13 @@ local function from_clock(result, real)
   return result
 end
 
+-- The limit a hash state was written under, "lim/window_ms/burst" (field
+-- l): a refund of charges made under another limit (a policy changed since)
+-- gives nothing back, as their units cannot be told apart any more.
+local function limit_sig(p)
+  return p.lim .. '/' .. string.format('%.0f', p.window_ms) .. '/' .. p.burst
+end
+
 -- A number as Redis should store it: integral values without an exponent.
 local function num(x)
   if x == math.floor(x) then

@@ -24,10 +24,11 @@ end
 
 -- Writes n units for the window (or deletes the key when none are left);
 -- returns the key's epoch (a new one when the key is made).
-local function fixed_save(key, start, left, n, now, real, epoch)
+local function fixed_save(key, p, start, left, n, now, real, epoch)
   if n > 0 then
     epoch = epoch or new_epoch()
-    redis.call('HSET', key, 'w', num(start), 'n', n, 'ts', num(now), 'e', num(epoch))
+    redis.call('HSET', key, 'w', num(start), 'n', n, 'ts', num(now), 'e', num(epoch),
+               'l', limit_sig(p))
     expire(key, left, now, real)
   else
     redis.call('DEL', key)
@@ -45,7 +46,7 @@ ALG.fixed.decide = function(key, p, cost, real)
     return {allowed, lim, math.max(lim - n, 0), reset, retry, now, epoch or 0}
   end
   local function save(n, r)
-    return function() r[7] = fixed_save(key, start, left, n, now, real, epoch) or 0 end
+    return function() r[7] = fixed_save(key, p, start, left, n, now, real, epoch) or 0 end
   end
 
   if cost < 0 then
@@ -67,6 +68,6 @@ end
 ALG.fixed.refund = function(key, p, real, r)
   local now, idx, start, left, used, epoch = fixed_state(key, p, real)
   if r.idx == idx and used > 0 and epoch == r.epoch then
-    fixed_save(key, start, left, math.max(used - r.units, 0), now, real, epoch)
+    fixed_save(key, p, start, left, math.max(used - r.units, 0), now, real, epoch)
   end
 end

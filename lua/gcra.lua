@@ -15,9 +15,9 @@ ALG.gcra = {}
 
 -- Writes the backlog b (µs) at now (or deletes the key, records and all,
 -- when there is none). The expiry is the last write of a call.
-local function gcra_save(key, b, now, real)
+local function gcra_save(key, p, b, now, real)
   if b > 0 then
-    redis.call('HSET', key, 'b', num(b), 'ts', num(now))
+    redis.call('HSET', key, 'b', num(b), 'ts', num(now), 'l', limit_sig(p))
     expire(key, math.max(ms(b), 1), now, real)
   else
     redis.call('DEL', key)
@@ -26,13 +26,13 @@ end
 
 -- Reads the key as of now (never earlier than ts): the backlog (µs, at
 -- least 0) and the number of refund records.
-local function gcra_state(key, now)
+local function gcra_state(key, p, now)
   local state = redis.pcall('HMGET', key, 'b', 'ts', 'k')
   if state.err then
     -- a 1.2 string key: its value is the TAT
     local tat = tonumber(redis.call('GET', key)) or now
     redis.call('DEL', key)
-    gcra_save(key, math.max(tat - now, 0), now, now)
+    gcra_save(key, p, math.max(tat - now, 0), now, now)
     return now, math.max(tat - now, 0), 0
   end
   if not state[1] then return now, 0, 0 end
@@ -42,7 +42,7 @@ local function gcra_state(key, now)
 end
 
 ALG.gcra.decide = function(key, p, cost, real, scopes)
-  local now, backlog, records = gcra_state(key, real)
+  local now, backlog, records = gcra_state(key, p, real)
   local cap = p.cap
   local interval = p.window_ms * 1000 / p.lim   -- µs per unit
   local eps = 1e-9 + cap * 1e-13                -- rounding, in units
@@ -63,7 +63,7 @@ ALG.gcra.decide = function(key, p, cost, real, scopes)
         records_lower(recs, b)
         records_write(key, recs)
       end
-      gcra_save(key, b, now, real)
+      gcra_save(key, p, b, now, real)
     end
   end
   if fits_at(now, cost) then
@@ -81,7 +81,7 @@ ALG.gcra.decide = function(key, p, cost, real, scopes)
           records_lower(recs, b)
           records_write(key, recs)
         end
-        gcra_save(key, b, now, real)
+        gcra_save(key, p, b, now, real)
       end
     end
     return {1, cap, room(b), ms(b), 0, now, 0}, commit
@@ -95,12 +95,12 @@ ALG.gcra.decide = function(key, p, cost, real, scopes)
 end
 
 ALG.gcra.refund = function(key, p, real, r)
-  local now, backlog, records = gcra_state(key, real)
+  local now, backlog, records = gcra_state(key, p, real)
   if records == 0 or backlog <= 0 then return end
   local recs = records_read(key)
   records_lower(recs, backlog)
   local b = backlog - records_take(recs, r, backlog)
   records_lower(recs, b)
   records_write(key, recs)
-  gcra_save(key, b, now, real)
+  gcra_save(key, p, b, now, real)
 end

@@ -34,7 +34,7 @@ local function counter_save(key, p, start, c, prev, now, real, epoch)
   if c > 0 or prev > 0 then
     epoch = epoch or new_epoch()
     redis.call('HSET', key, 'w', num(start), 'c', c, 'p', prev, 'ts', num(now),
-               'e', num(epoch))
+               'e', num(epoch), 'l', limit_sig(p))
     expire(key, math.ceil(start + 2 * p.window_ms - now / 1000), now, real)
   else
     redis.call('DEL', key)

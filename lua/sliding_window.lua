@@ -79,9 +79,9 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
 end
 
 ALG.sliding.refund = function(key, p, real, r)
-  local now, used = log_state(key, p, real)
-  if used == 0 then return end
-  -- only the units taken since the scope's first charge can be its own
+  -- only the scope's own entries are removed, and only those taken since
+  -- its first charge can be its own (the window is not applied here: the
+  -- limit may have changed since)
   local mark = '|' .. r.scope .. '|'
   local members = redis.call('ZRANGEBYSCORE', key, r.first, '+inf')
   local doomed = {}

@@ -34,7 +34,7 @@ local function bucket_save(key, p, have, now, real)
     redis.call('DEL', key)
   else
     local rate = p.lim / (p.window_ms * 1000)
-    redis.call('HSET', key, 't', num(have), 'ts', num(now))
+    redis.call('HSET', key, 't', num(have), 'ts', num(now), 'l', limit_sig(p))
     expire(key, math.max(ms((p.cap - have) / rate), 1), now, real)
   end
 end

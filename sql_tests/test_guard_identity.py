@@ -545,3 +545,37 @@ def test_equal_values_share_one_identity(env, coltype, first, others):
     assert sqlstate_of(conn, "INSERT INTO %s (tenant) VALUES (%s)" % (name, first)) is None
     for value in others:
         assert sqlstate_of(conn, "INSERT INTO %s (tenant) VALUES (%s)" % (name, value)) == RATE_LIMITED, value
+
+
+@pytest.mark.parametrize(
+    "coltype",
+    ["jsonb", "text COLLATE rl_ci", "int[]"],
+)
+def test_types_whose_equal_values_differ_in_text_are_refused(env, pg, coltype):
+    """Second review: jsonb ('1' and '1.0' are equal), text under a
+    nondeterministic collation ('acme' and 'ACME'), arrays: equal values
+    with different text would be different identities, so a guard on such
+    a column is refused (42804) at its first write, before anything is
+    charged."""
+    pg.execute("CREATE COLLATION IF NOT EXISTS rl_ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false)")
+    policy = env.policy(2)
+    table = env.table("tenant %s NOT NULL" % coltype)
+    env.guard(table, "AFTER INSERT", policy, "tenant")
+    conn = env.connect()
+    name = sql.Identifier(table).as_string(conn)
+    value = {"jsonb": "'1'", "text COLLATE rl_ci": "'acme'", "int[]": "'{1}'"}[coltype]
+    assert sqlstate_of(conn, "INSERT INTO %s (tenant) VALUES (%s)" % (name, value)) == "42804"
+
+
+@pytest.mark.parametrize(
+    "coltype, value",
+    [("date", "'2024-01-02'"), ("uuid", "'00000000-0000-0000-0000-000000000001'"),
+     ("bytea", "'\\x01'"), ("boolean", "true"), ("timestamptz", "now()")],
+)
+def test_types_with_one_text_per_value_are_accepted(env, coltype, value):
+    policy = env.policy(1)
+    table = env.table("tenant %s NOT NULL" % coltype)
+    env.guard(table, "AFTER INSERT", policy, "tenant")
+    conn = env.connect()
+    name = sql.Identifier(table).as_string(conn)
+    assert sqlstate_of(conn, "INSERT INTO %s (tenant) VALUES (%s)" % (name, value)) is None

@@ -28,12 +28,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import new_ident, pg_connect, same_fixed_window, set_gucs, use_redis
+from conftest import free_port, new_ident, pg_connect, same_fixed_window, set_gucs, use_redis
 from test_faults import collect_notices, in_sync_call, wait_until_active
 
 LEASE_MS = 600000  # long enough that no test can pass by a lease ending
 XACT_END_BOUND_S = 3.0  # budget 1 s
 HUGE_WINDOW_MS = 10**12  # a fixed window that does not roll over (next: 2033)
+BASE_CLOCK_MS = 1000000020000  # a test clock on a minute (2001-09-09)
 
 # The spec's two lists (trust model).
 PUBLIC_FUNCTIONS = [
@@ -1068,3 +1069,90 @@ def test_sliding_log_limits(env, shared_redis):
     assert row == (True, 100000, 99999)
     assert pg.execute("SELECT rl_allow(%s, %s)", (big, me)).fetchone()[0] is True
     assert sqlstate_of(conn, "SET rl_redis.sliding_max_lim = 100000") == "42501"
+
+
+# ---------------------------------------------------------------- second review
+
+
+def test_failed_requests_while_redis_is_away_queue_nothing(env):
+    """Second review: a slot request that never reached Redis (nothing
+    listens; the breaker answers at once) has no slot to give back: 20 000
+    such calls by an ordinary role under on_error = allow leave the
+    session's memory where it was (1.3 before the fix queued a release per
+    call: 140 MB for 1 000 000)."""
+    role = env.role()
+    env.pg.execute(sql.SQL("GRANT pg_read_all_stats TO {}").format(sql.Identifier(role)))
+    policy = env.policy("concurrency", 1, LEASE_MS)
+    conn = env.connect(role)
+    port = free_port()
+    env.pg.execute(sql.SQL("ALTER ROLE {} SET rl_redis.port = {}").format(
+        sql.Identifier(role), sql.Literal(str(port))))
+    env.pg.execute(sql.SQL("ALTER ROLE {} SET rl_redis.on_error = 'allow'").format(sql.Identifier(role)))
+    conn.close()
+    conn = env.connect(role)
+    collect_notices(conn)
+    top = "SELECT sum(total_bytes) FROM pg_backend_memory_contexts"
+    assert conn.execute("SELECT rl_acquire_allow(%s, 'x')", (policy,)).fetchone() == (True,)
+    before = conn.execute(top).fetchone()[0]
+    conn.execute("SELECT count(*) FROM generate_series(1, 20000) g WHERE rl_acquire_allow(%s, 'x')", (policy,))
+    after = conn.execute(top).fetchone()[0]
+    assert after - before < 1024 * 1024, (before, after)
+
+
+@pytest.mark.parametrize("algorithm", ["sliding", "sliding_counter", "fixed", "token_bucket", "gcra"])
+def test_refund_after_policy_change_gives_nothing_of_others(env, algorithm):
+    """Second review: A charges 1 under a policy of 5 per minute and stays
+    open; the administrator changes the policy (5 per hour); B takes 4;
+    A rolls back: B's 4 still count under the new policy (1.3 before the
+    fix: the refund, computed with the old limit, wiped them)."""
+    policy = env.policy(algorithm, 5, 60000)
+    a, b = env.connect(), env.connect()
+    set_gucs(a, refund_on_abort="all", test_clock_ms=BASE_CLOCK_MS)
+    set_gucs(b, test_clock_ms=BASE_CLOCK_MS)
+    me = new_ident("changed")
+    a.execute("BEGIN")
+    assert a.execute("SELECT (rl_check(%s, %s)).allowed", (policy, me)).fetchone() == (True,)
+    env.pg.execute("UPDATE rl_policy SET window_ms = 3600000 WHERE name = %s", (policy,))
+    got = [b.execute("SELECT (rl_check(%s, %s)).allowed", (policy, me)).fetchone()[0] for _ in range(4)]
+    assert got == [True] * 4
+    a.execute("ROLLBACK")
+    assert b.execute("SELECT (rl_check(%s, %s, 0)).remaining", (policy, me)).fetchone()[0] <= 1
+
+
+def test_big_refund_with_short_command_timeout_completes(env):
+    """Second review: a rollback whose refund is large (40 000 token-bucket
+    keys) and a session whose command_timeout is short (100 ms): the refund
+    goes in calls of at most 1 000 keys, so the session gets back to
+    deciding within a few calls instead of resending the whole refund
+    forever, and every tenant is refunded."""
+    policy = env.policy("token_bucket", 1000, HUGE_WINDOW_MS)
+    name = "rl_integrity_%s" % uid()
+    env.pg.execute(sql.SQL("CREATE TABLE {} (tenant text NOT NULL)").format(sql.Identifier(name)))
+    env.tables.append(name)
+    env.pg.execute(sql.SQL(
+        "CREATE TRIGGER guard AFTER INSERT ON {} REFERENCING NEW TABLE AS n FOR EACH STATEMENT "
+        "EXECUTE FUNCTION rl_guard_statement({}, 'tenant')").format(sql.Identifier(name), sql.Literal(policy)))
+    conn = env.connect()
+    collect_notices(conn)
+    prefix = new_ident("bigtb") + ":"
+    n = 40000
+    conn.execute("BEGIN")
+    for start in range(0, n, 10000):
+        conn.execute(sql.SQL("INSERT INTO {} (tenant) SELECT %s || i FROM generate_series(%s::int, %s::int) i")
+                     .format(sql.Identifier(name)), (prefix, start + 1, start + 10000))
+    set_gucs(conn, command_timeout=100)
+    conn.execute("ROLLBACK")
+    set_gucs(conn, command_timeout=100)
+    ok = False
+    for _ in range(30):
+        try:
+            if conn.execute("SELECT (rl_check(%s, 'probe')).allowed", (policy,)).fetchone() == (True,):
+                ok = True
+                break
+        except psycopg.Error:
+            time.sleep(0.2)
+    assert ok, "the session never got back to deciding"
+    set_gucs(conn, command_timeout=10000)
+    assert conn.execute(
+        "SELECT count(*) FROM generate_series(1, %s::int, 97) i, rl_check(%s, %s || i, 0) r WHERE r.remaining <> 1000",
+        (n, policy, prefix)).fetchone()[0] == 0

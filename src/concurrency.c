@@ -123,6 +123,13 @@ rl_release_asking(void)
 
 	if (asking == NULL)
 		return;
+	if (!rl_command_was_sent())
+	{
+		/* the request never reached Redis whole: there is no slot */
+		rl_free_slot(asking);
+		asking = NULL;
+		return;
+	}
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
@@ -257,7 +264,8 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	if (reply == NULL || !rl_parse_decision(reply, d, NULL, 0, NULL, &failure))
 	{
 		/* Redis may have given the slot before the call failed: give it back */
-		rl_queue_release(slot);
+		if (rl_command_was_sent())
+			rl_queue_release(slot);
 		rl_free_slot(slot);
 		rl_apply_on_error(&failure, lim, 1, d);
 		return;

@@ -29,7 +29,10 @@
 
 #include <math.h>
 
+#include "access/nbtree.h"
+#include "catalog/pg_am.h"
 #include "catalog/pg_type.h"
+#include "commands/defrem.h"
 #include "commands/trigger.h"
 #include "common/hashfn.h"
 #include "executor/executor.h"
@@ -188,6 +191,47 @@ rl_guard_column_kind(Oid typid)
 }
 
 /*
+ * Raises 42804 unless equal values of column name (of type typid and
+ * collation collation) always have the same text, so that one tenant is one
+ * identity: true for the types written in a canonical form here (integers,
+ * numeric, interval, floats) and for those whose default btree operator
+ * class says equality is equality of the stored image (its "equalimage"
+ * support function, as B-tree deduplication asks: text under a
+ * deterministic collation, dates, timestamps, uuid, bytea ...); false for
+ * citext, jsonb ('1' and '1.0'), text under a nondeterministic collation.
+ */
+static void
+rl_guard_check_equality(Relation rel, const char *name, RlColumnKind kind,
+						Oid typid, Oid collation)
+{
+	Oid			opclass;
+	Oid			proc = InvalidOid;
+
+	if (kind != RL_COLUMN_TEXT && kind != RL_COLUMN_OUTPUT &&
+		kind != RL_COLUMN_OUTPUT_FIXED)
+		return;
+	opclass = GetDefaultOpClass(typid, BTREE_AM_OID);
+	if (OidIsValid(opclass))
+		proc = get_opfamily_proc(get_opclass_family(opclass),
+								 get_opclass_input_type(opclass),
+								 get_opclass_input_type(opclass),
+								 BTEQUALIMAGE_PROC);
+	if (OidIsValid(proc) &&
+		DatumGetBool(OidFunctionCall1Coll(proc, collation,
+										  ObjectIdGetDatum(get_opclass_input_type(opclass)))))
+		return;
+	ereport(ERROR,
+			(errcode(ERRCODE_DATATYPE_MISMATCH),
+			 errmsg("column \"%s\" of relation \"%s\" cannot be a rate-limit identity",
+					name, RelationGetRelationName(rel)),
+			 errdetail("Values of type %s%s can be equal with a different text, and would count as different identities.",
+					   format_type_be(typid),
+					   OidIsValid(collation) && !get_collation_isdeterministic(collation) ?
+					   " under a nondeterministic collation" : ""),
+			 errhint("Guard a column that holds one form of each value, for example a generated column lower(email).")));
+}
+
+/*
  * Resolves the trigger's arguments once per statement (cached in fn_extra)
  * and returns them.
  */
@@ -250,6 +294,9 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 		guard->columns[guard->ncolumns] = attnum;
 		typid = TupleDescAttr(RelationGetDescr(rel), attnum - 1)->atttypid;
 		guard->column_kinds[guard->ncolumns] = rl_guard_column_kind(typid);
+		rl_guard_check_equality(rel, tok, guard->column_kinds[guard->ncolumns],
+								typid,
+								TupleDescAttr(RelationGetDescr(rel), attnum - 1)->attcollation);
 		if (guard->column_kinds[guard->ncolumns] == RL_COLUMN_OUTPUT_FIXED ||
 			guard->column_kinds[guard->ncolumns] == RL_COLUMN_FLOAT4 ||
 			guard->column_kinds[guard->ncolumns] == RL_COLUMN_FLOAT8)

@@ -77,6 +77,9 @@ static uint32 backend_tag = 0;
  */
 #define RL_MAX_SCOPE_DEPTH 8
 
+/* the most keys one refund or forget call carries */
+#define RL_REFUND_BATCH 1000
+
 /* the scopes argument of the last call, "id1,id2,..." */
 static StringInfoData scopes_arg;
 
@@ -325,59 +328,26 @@ rl_scope_wants(const RlPending *p, bool refund, bool idempotent)
 }
 
 /*
- * Queues one script call with the scope's entries that rl_scope_wants:
- * KEYS their keys; ARGV for a refund (run_refund.lua) the clock, the scope,
- * its parents and nine numbers per key, for the forget call
- * (run_forget.lua) the scope.
+ * Queues one script call for n scope entries: KEYS their keys; ARGV for a
+ * refund (run_refund.lua) the clock, the scope, its parents and nine
+ * numbers per key, for the forget call (run_forget.lua) the scope.
  */
 static void
-rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
-			   bool idempotent)
+rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
+					 bool idempotent, RlPending **list, int n,
+					 const char *parents)
 {
-	HASH_SEQ_STATUS seq;
-	RlPending  *p;
-	RlPending **list;
-	long		n = 0;
-	long		j;
-	int			argc;
-	const char **argv;
-	size_t	   *argvlen;
-	char	   *num;
+	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + (refund ? 3 + 9 * n : 1);
+	const char **argv = palloc(sizeof(char *) * argc);
+	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
+	char	   *numbers = palloc(n * 8 * 24 + 24);
+	char	   *num = numbers;
 	char		now_s[24];
-	StringInfoData parents;
-	RlScope    *s;
-	MemoryContext old;
-	int			i;
+	int			i = RL_SCRIPT_ARGV_RESERVED;
+	int			j;
 
-	if (scope->keys == NULL)
-		return;
-	old = MemoryContextSwitchTo(scope->cxt);
-	list = palloc(sizeof(RlPending *) * (hash_get_num_entries(scope->keys) + 1));
-	hash_seq_init(&seq, scope->keys);
-	while ((p = hash_seq_search(&seq)) != NULL)
-		if (rl_scope_wants(p, refund, idempotent))
-			list[n++] = p;
-	if (n == 0)
-	{
-		MemoryContextSwitchTo(old);
-		return;
-	}
-
-	argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + (refund ? 3 + 9 * n : 1);
-	argv = palloc(sizeof(char *) * argc);
-	argvlen = palloc(sizeof(size_t) * argc);
-	num = palloc(n * 8 * 24 + 24);
-	initStringInfo(&parents);
-	for (s = scope->parent; s != NULL; s = s->parent)
-	{
-		if (parents.len > 0)
-			appendStringInfoChar(&parents, ',');
-		appendStringInfoString(&parents, s->id);
-	}
-
-	i = RL_SCRIPT_ARGV_RESERVED;
 	argv[i] = num;
-	argvlen[i++] = pg_ltoa((int32) n, num);
+	argvlen[i++] = pg_ltoa(n, num);
 	num += 24;
 	for (j = 0; j < n; j++)
 	{
@@ -393,28 +363,28 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 	argvlen[i++] = strlen(scope->id);
 	if (refund)
 	{
-		argv[i] = parents.data;
-		argvlen[i++] = parents.len;
+		argv[i] = parents;
+		argvlen[i++] = strlen(parents);
 		for (j = 0; j < n; j++)
 		{
-			int64		numbers[8];
+			RlPending  *p = list[j];
+			int64		values[8];
 			int			k;
 
-			p = list[j];
 			argv[i] = p->limit.algorithm->name;
 			argvlen[i++] = strlen(p->limit.algorithm->name);
-			numbers[0] = p->limit.lim;
-			numbers[1] = p->limit.window_ms;
-			numbers[2] = p->limit.burst;
-			numbers[3] = p->window;
-			numbers[4] = p->units;
-			numbers[5] = p->prev;
-			numbers[6] = p->epoch;
-			numbers[7] = p->first;
+			values[0] = p->limit.lim;
+			values[1] = p->limit.window_ms;
+			values[2] = p->limit.burst;
+			values[3] = p->window;
+			values[4] = p->units;
+			values[5] = p->prev;
+			values[6] = p->epoch;
+			values[7] = p->first;
 			for (k = 0; k < 8; k++)
 			{
 				argv[i] = num;
-				argvlen[i++] = pg_lltoa(numbers[k], num);
+				argvlen[i++] = pg_lltoa(values[k], num);
 				num += 24;
 			}
 		}
@@ -427,6 +397,48 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 	argv[1] = script->body;
 	argvlen[1] = strlen(script->body);
 	rl_defer_command(argc, argv, argvlen, idempotent);
+	pfree(argv);
+	pfree(argvlen);
+	pfree(numbers);
+}
+
+/*
+ * Queues the script calls for the scope's entries that rl_scope_wants, at
+ * most RL_REFUND_BATCH keys each, so that no one call holds Redis long.
+ */
+static void
+rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
+			   bool idempotent)
+{
+	HASH_SEQ_STATUS seq;
+	RlPending  *p;
+	RlPending **list;
+	long		n = 0;
+	long		j;
+	StringInfoData parents;
+	RlScope    *s;
+	MemoryContext old;
+
+	if (scope->keys == NULL)
+		return;
+	old = MemoryContextSwitchTo(scope->cxt);
+	list = palloc(sizeof(RlPending *) * (hash_get_num_entries(scope->keys) + 1));
+	hash_seq_init(&seq, scope->keys);
+	while ((p = hash_seq_search(&seq)) != NULL)
+		if (rl_scope_wants(p, refund, idempotent))
+			list[n++] = p;
+	initStringInfo(&parents);
+	for (s = scope->parent; s != NULL; s = s->parent)
+	{
+		if (parents.len > 0)
+			appendStringInfoChar(&parents, ',');
+		appendStringInfoString(&parents, s->id);
+	}
+	for (j = 0; j < n; j += RL_REFUND_BATCH)
+		rl_scope_queue_batch(scope, script, refund, idempotent, list + j,
+							 (int) Min(RL_REFUND_BATCH, n - j), parents.data);
+	pfree(list);
+	pfree(parents.data);
 	MemoryContextSwitchTo(old);
 }
 

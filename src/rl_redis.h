@@ -125,6 +125,7 @@ extern void rl_defer_command(int argc, const char **argv,
 							 const size_t *argvlen, bool idempotent);
 extern const char *rl_server_name(void);
 extern uint64 rl_server_generation(void);
+extern bool rl_command_was_sent(void);
 
 /* scripts (scripts.c) */
 typedef struct RlScript

@@ -74,6 +74,7 @@ typedef struct RlConnection
 	int			pending_replies;	/* the first commands of the queue that
 									 * were written whole, their replies not
 									 * read yet */
+	size_t		queue_partial;	/* bytes written of the queue's next command */
 	char		server[300];	/* "host:port" or the socket path */
 } RlConnection;
 
@@ -99,11 +100,27 @@ static StringInfoData out;
 static StringInfoData queue;
 static int *queue_ends = NULL;
 static bool *queue_idempotent = NULL;
+static uint8 *queue_tries = NULL;	/* times written whole */
 static int	queue_count = 0;
 static int	queue_max = 0;
+static int	queue_confirmed = 0;	/* the first commands, replies read */
 static bool queue_writing = false;
 static size_t queue_write_from = 0;
 static size_t queue_write_done = 0;
+
+/* a command written whole this often and never confirmed is dropped */
+#define RL_QUEUE_TRIES 2
+
+/*
+ * What may wait in the queue: a command beyond it is dropped with a
+ * warning. (The queue holds the work of the transaction ends since the last
+ * command that reached Redis; this bounds a session whose Redis stays away
+ * or hung while its transactions keep ending.)
+ */
+#define RL_MAX_QUEUE (64 * 1024 * 1024)
+
+/* whether the last command was written whole (it may have run) */
+static bool last_command_sent = false;
 
 /* counts the changes of server (connection settings) */
 static uint64 server_generation = 1;
@@ -150,6 +167,17 @@ rl_disconnect(void)
 	conn.reader = NULL;
 	conn.ready = false;
 	rl_queue_unconfirmed();
+}
+
+/*
+ * True when the last command (rl_command), failed or not, was written whole
+ * to Redis, which may then have run it; false when it never left (breaker
+ * open, no connection, a write cut short).
+ */
+bool
+rl_command_was_sent(void)
+{
+	return last_command_sent;
 }
 
 /*
@@ -356,11 +384,13 @@ rl_io_read(char *buf, size_t len, uint32 *want, char *errbuf, size_t errsize)
 
 /*
  * Writes len bytes of buf, counting in *done how many went out; false (with
- * the failure filled in and the connection discarded) on error.
+ * the failure filled in and the connection discarded) on error. With
+ * patient, a deadline that passes is not an error: false with
+ * failure->sqlerrcode 0 and the connection kept.
  */
 static bool
 rl_write(const char *buf, size_t len, size_t *done, TimestampTz deadline,
-		 RlFailure *failure)
+		 bool patient, RlFailure *failure)
 {
 	char		errbuf[256];
 
@@ -377,6 +407,11 @@ rl_write(const char *buf, size_t len, size_t *done, TimestampTz deadline,
 		{
 			if (!rl_wait(want, deadline))
 			{
+				if (patient)
+				{
+					failure->sqlerrcode = 0;
+					return false;
+				}
 				rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
 						"timed out sending to Redis at %s", conn.server);
 				return false;
@@ -585,8 +620,9 @@ rl_roundtrip(TimestampTz deadline, RlFailure *failure)
 	size_t		done;
 
 	conn.ready = false;			/* a reply may be in flight from here on */
-	if (!rl_write(out.data, out.len, &done, deadline, failure))
+	if (!rl_write(out.data, out.len, &done, deadline, false, failure))
 		return NULL;
+	last_command_sent = true;
 	reply = rl_recv(deadline, false, failure);
 	if (reply != NULL)
 		conn.ready = true;
@@ -925,23 +961,29 @@ rl_queue_offset(int k)
 	return k == 0 ? 0 : (size_t) queue_ends[k - 1];
 }
 
-/* Takes command k off the queue. */
+/*
+ * Takes n commands off the queue from command k on, with one move: the
+ * commands are only ever dropped in runs.
+ */
 static void
-rl_queue_remove(int k)
+rl_queue_remove(int k, int n)
 {
 	size_t		from = rl_queue_offset(k);
-	size_t		len = queue_ends[k] - from;
+	size_t		len = rl_queue_offset(k + n) - from;
 	int			i;
 
+	if (n <= 0)
+		return;
 	memmove(queue.data + from, queue.data + from + len, queue.len - from - len);
 	queue.len -= len;
 	queue.data[queue.len] = '\0';
-	for (i = k + 1; i < queue_count; i++)
+	for (i = k + n; i < queue_count; i++)
 	{
-		queue_ends[i - 1] = queue_ends[i] - len;
-		queue_idempotent[i - 1] = queue_idempotent[i];
+		queue_ends[i - n] = queue_ends[i] - len;
+		queue_idempotent[i - n] = queue_idempotent[i];
+		queue_tries[i - n] = queue_tries[i];
 	}
-	queue_count--;
+	queue_count -= n;
 	if (queue_count == 0 && queue.maxlen > RL_KEEP_BUFFER)
 	{
 		pfree(queue.data);
@@ -949,62 +991,103 @@ rl_queue_remove(int k)
 	}
 }
 
+/* Takes the commands whose replies were read off the queue. */
+static void
+rl_queue_trim(void)
+{
+	rl_queue_remove(0, queue_confirmed);
+	queue_confirmed = 0;
+}
+
+/*
+ * Accounts for a write of the queue that ended (also by an error or an
+ * interrupt, which leave queue_writing set): the commands it wrote whole
+ * now wait for their replies; the bytes it wrote of the next one are
+ * remembered, so that the next write goes on from there.
+ */
+static void
+rl_queue_account(void)
+{
+	size_t		end;
+	int			k;
+
+	if (!queue_writing)
+		return;
+	queue_writing = false;
+	end = queue_write_from + queue_write_done;
+	k = queue_confirmed + conn.pending_replies;
+	while (k < queue_count && (size_t) queue_ends[k] <= end)
+	{
+		queue_tries[k++]++;
+		conn.pending_replies++;
+	}
+	conn.queue_partial = k < queue_count ? end - rl_queue_offset(k) : 0;
+}
+
 /*
  * The connection is going: of the queued commands written whole whose
  * replies were not read (they may have been applied), keeps those that may
- * be sent again and drops the others. Commands written in part were not
- * applied (Redis runs only whole commands) and stay.
+ * be sent again, once, and drops the others. A command written in part was
+ * not applied (Redis runs only whole commands) and is sent again whole.
  */
 static void
 rl_queue_unconfirmed(void)
 {
-	int			written = conn.pending_replies;
+	int			written;
+	int			dropped = 0;
 	int			k;
 
-	if (queue_writing)
-	{
-		while (written < queue_count &&
-			   (size_t) queue_ends[written] <= queue_write_from + queue_write_done)
-			written++;
-		queue_writing = false;
-	}
+	rl_queue_account();
+	rl_queue_trim();
+	written = conn.pending_replies;
 	for (k = written - 1; k >= 0; k--)
-		if (!queue_idempotent[k])
-			rl_queue_remove(k);
+	{
+		if (queue_idempotent[k] && queue_tries[k] < RL_QUEUE_TRIES)
+			continue;
+		if (queue_idempotent[k])
+			dropped++;
+		rl_queue_remove(k, 1);
+	}
 	conn.pending_replies = 0;
+	conn.queue_partial = 0;
+	if (dropped > 0)
+		ereport(WARNING,
+				(errmsg("%d rate-limit commands of transaction ends (slot releases, refunds) were dropped after %d tries",
+						dropped, RL_QUEUE_TRIES),
+				 errdetail("Slots end with their lease; units of rolled-back transactions were not given back.")));
 }
 
 /*
- * Writes the queued commands not written yet to the open connection before
- * deadline; their replies are read by rl_read_pending. False (the
- * connection discarded) on failure.
+ * Writes the queued commands not written yet to the open connection, going
+ * on where an earlier write stopped, before deadline; their replies are
+ * read by rl_read_pending. False on failure (the connection discarded), or
+ * when the deadline passed first (failure->sqlerrcode 0; the connection
+ * kept, and the next write goes on from there).
  */
 static bool
 rl_send_queue(TimestampTz deadline, RlFailure *failure)
 {
-	int			k = conn.pending_replies;
+	bool		ok;
 
-	if (k == queue_count)
+	rl_queue_account();
+	rl_queue_trim();
+	if (conn.pending_replies == queue_count)
 		return true;
-	conn.ready = false;
-	queue_write_from = rl_queue_offset(k);
+	queue_write_from = rl_queue_offset(conn.pending_replies) + conn.queue_partial;
 	queue_write_done = 0;
 	queue_writing = true;
-	if (!rl_write(queue.data + queue_write_from, queue.len - queue_write_from,
-				  &queue_write_done, deadline, failure))
-		return false;			/* rl_disconnect accounted for the write */
-	queue_writing = false;
-	conn.pending_replies = queue_count;
-	conn.ready = true;
-	return true;
+	ok = rl_write(queue.data + queue_write_from, queue.len - queue_write_from,
+				  &queue_write_done, deadline, true, failure);
+	rl_queue_account();			/* after a failure rl_disconnect did it */
+	return ok;
 }
 
 /*
  * Reads the replies of the queued commands written to the connection and
- * takes each off the queue; an error reply is logged. False (with the
- * failure filled in) when the connection failed, or, with patient, when the
- * deadline passed first (failure->sqlerrcode 0; the rest of the replies are
- * read later).
+ * takes those commands off the queue; an error reply is logged. False (with
+ * the failure filled in) when the connection failed, or, with patient,
+ * when the deadline passed first (failure->sqlerrcode 0; the rest of the
+ * replies are read later).
  */
 static bool
 rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
@@ -1015,9 +1098,12 @@ rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
 
 		reply = rl_recv(deadline, patient, failure);
 		if (reply == NULL)
+		{
+			rl_queue_trim();
 			return false;
+		}
 		conn.pending_replies--;
-		rl_queue_remove(0);
+		queue_confirmed++;
 		if (reply->type == REDIS_REPLY_ERROR)
 		{
 			char		text[256];
@@ -1033,20 +1119,33 @@ rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
 		else
 			freeReplyObject(reply);
 	}
+	rl_queue_trim();
 	return true;
 }
 
 /*
  * Queues a command to be sent at the end of the current (sub)transaction,
- * or with the session's next command; idempotent: it may be sent twice
- * (after a lost connection) without harm. Raises only when out of memory.
+ * or with the session's next command; idempotent: it may be sent again
+ * (once, after a lost connection) without harm. Beyond RL_MAX_QUEUE bytes
+ * waiting the command is dropped with a warning. Raises only when out of
+ * memory.
  */
 void
 rl_defer_command(int argc, const char **argv, const size_t *argvlen,
 				 bool idempotent)
 {
-	MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
+	MemoryContext old;
 
+	rl_queue_trim();
+	if (queue.len > RL_MAX_QUEUE)
+	{
+		ereport(WARNING,
+				(errmsg("a rate-limit command of a transaction end (slot release, refund) was dropped: %d MB wait for Redis at %s already",
+						RL_MAX_QUEUE / (1024 * 1024), rl_server_name()),
+				 errdetail("A slot ends with its lease; units of a rolled-back transaction were not given back.")));
+		return;
+	}
+	old = MemoryContextSwitchTo(TopMemoryContext);
 	if (queue.data == NULL)
 		initStringInfo(&queue);
 	if (queue_count == queue_max)
@@ -1057,9 +1156,13 @@ rl_defer_command(int argc, const char **argv, const size_t *argvlen,
 		queue_idempotent = queue_idempotent ?
 			repalloc(queue_idempotent, sizeof(bool) * queue_max) :
 			palloc(sizeof(bool) * queue_max);
+		queue_tries = queue_tries ?
+			repalloc(queue_tries, sizeof(uint8) * queue_max) :
+			palloc(sizeof(uint8) * queue_max);
 	}
 	rl_encode(&queue, argc, argv, argvlen);
 	queue_idempotent[queue_count] = idempotent;
+	queue_tries[queue_count] = 0;
 	queue_ends[queue_count++] = queue.len;
 	MemoryContextSwitchTo(old);
 }
@@ -1071,16 +1174,17 @@ rl_defer_command(int argc, const char **argv, const size_t *argvlen,
 static void
 rl_discard_queue(const char *why)
 {
-	int			dropped = queue_count - conn.pending_replies;
+	int			dropped;
 
+	rl_queue_trim();
+	dropped = queue_count - conn.pending_replies;
 	if (dropped <= 0)
 		return;
 	ereport(WARNING,
 			(errmsg("%d rate-limit commands of transaction ends (slot releases, refunds) were dropped: %s",
 					dropped, why),
 			 errdetail("Slots end with their lease; units of rolled-back transactions were not given back.")));
-	while (queue_count > conn.pending_replies)
-		rl_queue_remove(queue_count - 1);
+	rl_queue_remove(conn.pending_replies, queue_count - conn.pending_replies);
 }
 
 /*
@@ -1100,7 +1204,9 @@ rl_flush_queue(void)
 	if (queue_count == 0)
 		return;
 	/* a connection the server closed while idle would swallow the queue */
-	if (conn.ready && conn.pending_replies == 0 && !rl_connection_alive())
+	rl_queue_account();
+	if (conn.ready && conn.pending_replies == 0 && conn.queue_partial == 0 &&
+		!rl_connection_alive())
 		rl_disconnect();
 	if (!conn.ready || conn.sock == PGINVALID_SOCKET)
 	{
@@ -1224,6 +1330,7 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 	redisReply *reply = NULL;
 	TimestampTz deadline;
 
+	last_command_sent = false;
 	if (out.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -1241,7 +1348,10 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 		return NULL;
 
 	/* unread replies make the liveness peek useless; reading them checks */
-	if (!conn.ready || (conn.pending_replies == 0 && !rl_connection_alive()))
+	rl_queue_account();
+	if (!conn.ready ||
+		(conn.pending_replies == 0 && conn.queue_partial == 0 &&
+		 !rl_connection_alive()))
 	{
 		if (!rl_connect(failure))
 		{
@@ -1250,9 +1360,25 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 		}
 	}
 
+	/*
+	 * First the work queued by transaction ends, then the command. Redis may
+	 * still be busy with that work when the deadline comes: the call fails
+	 * then, but the connection is kept, and the next call goes on with it
+	 * (never losing or repeating it).
+	 */
 	deadline = rl_deadline(rl_command_timeout);
-	if (rl_send_queue(deadline, failure) &&
-		rl_read_pending(deadline, false, failure))
+	if (!rl_send_queue(deadline, failure) ||
+		!rl_read_pending(deadline, true, failure))
+	{
+		if (failure->sqlerrcode == 0)
+		{
+			failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+			snprintf(failure->message, sizeof(failure->message),
+					 "timed out: Redis at %s is still busy with rate-limit work of earlier transaction ends",
+					 conn.server);
+		}
+	}
+	else
 	{
 		resetStringInfo(&out);
 		rl_encode(&out, argc, argv, argvlen);
