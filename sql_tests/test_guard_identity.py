@@ -530,6 +530,7 @@ def test_upsert_charges_one_per_row(env):
         ("numeric", "7", ["7.0", "7.000", "07"]),
         ("interval", "'1 day'", ["'24 hours'", "'1440 minutes'", "'0.5 days 12 hours'"]),
         ("float8", "0", ["-0", "'-0'::float8"]),
+        ("money", "1", ["'1.00'", "'$1.00'", "1.001"]),
     ],
 )
 def test_equal_values_share_one_identity(env, coltype, first, others):

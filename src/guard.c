@@ -21,7 +21,8 @@
  * hex), so that the session cannot change a row's identity; values that
  * compare equal give one identity where the type allows it (numeric without
  * trailing zeros, an interval as the days and microseconds it compares by,
- * -0 as 0). A denied write
+ * -0 as 0, money as its integer). A column whose equal values can differ in
+ * text otherwise (jsonb, citext, a nondeterministic collation) is refused. A denied write
  * raises SQLSTATE PT429 (which PostgREST answers with HTTP 429) with the
  * limit in DETAIL and the wait in HINT.
  */
@@ -40,6 +41,7 @@
 #include "miscadmin.h"
 #include "pgtime.h"
 #include "utils/builtins.h"
+#include "utils/cash.h"
 #include "utils/numeric.h"
 #include "utils/timestamp.h"
 #include "utils/bytea.h"
@@ -61,6 +63,8 @@ typedef enum RlColumnKind
 	RL_COLUMN_INT8,
 	RL_COLUMN_TEXT,				/* text, varchar: the bytes */
 	RL_COLUMN_NUMERIC,			/* numeric without trailing zeros (7.0 is 7) */
+	RL_COLUMN_MONEY,			/* money as its integer (its text follows
+								 * lc_monetary) */
 	RL_COLUMN_INTERVAL,			/* interval as days and microseconds, as it
 								 * compares ('1 day' is '24 hours') */
 	RL_COLUMN_FLOAT4,			/* float4 under fixed settings, -0 as 0 */
@@ -172,6 +176,8 @@ rl_guard_column_kind(Oid typid)
 			return RL_COLUMN_TEXT;
 		case NUMERICOID:
 			return RL_COLUMN_NUMERIC;
+		case CASHOID:
+			return RL_COLUMN_MONEY;
 		case INTERVALOID:
 			return RL_COLUMN_INTERVAL;
 		case FLOAT4OID:
@@ -489,6 +495,9 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 					pfree(out);
 					break;
 				}
+			case RL_COLUMN_MONEY:
+				appendBinaryStringInfo(buf, num, pg_lltoa(DatumGetCash(value), num));
+				break;
 			case RL_COLUMN_INTERVAL:
 				{
 					Interval   *iv = DatumGetIntervalP(value);
