@@ -50,3 +50,4 @@ bench:
 	bash sql_tests/bench_guard.sh
 	bash sql_tests/bench_breaker.sh
 	bash sql_tests/bench_refund_memory.sh
+	bash sql_tests/bench_http.sh
