@@ -336,11 +336,25 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 	return guard;
 }
 
-/* Raises the rate-limit error (PT429) for identity. */
+/*
+ * Raises the rate-limit error (PT429) for identity; or, when the denial is
+ * rl_redis.on_error's ("deny") and not Redis's, 08006 saying so, so that
+ * neither an application nor PostgREST (class 08: HTTP 503) takes an outage
+ * for a caller over its quota.
+ */
 static void
 rl_guard_denied(RlGuard *guard, Relation rel, const char *identity,
 				const RlDecision *d)
 {
+	if (!d->from_redis)
+		ereport(ERROR,
+				(errcode(ERRCODE_CONNECTION_FAILURE),
+				 errmsg("rate limit \"%s\" could not be checked for \"%s\"",
+						guard->limit_arg, identity),
+				 errdetail("Redis could not be reached or failed; rl_redis.on_error is \"deny\"."),
+				 errhint("Retry after " INT64_FORMAT " s.",
+						 (int64) ceil(d->retry_after_ms / 1000.0)),
+				 errtable(rel)));
 	if (d->retry_after_ms < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_RL_RATE_LIMITED),
