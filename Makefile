@@ -8,10 +8,11 @@ OBJS = \
 	src/transport.o \
 	src/breaker.o \
 	src/scripts.o \
-	src/limits.o \
+	src/refund.o \
+	src/engine.o \
+	src/functions.o \
 	src/policy.o \
 	src/concurrency.o \
-	src/refund.o \
 	src/guard.o
 
 DATA = $(wildcard sql/rl_redis--*.sql)
@@ -33,10 +34,13 @@ include $(PGXS)
 
 # The Lua scripts are compiled into the library as C strings, with their SHA1
 # digests computed here so that EVALSHA needs no work at run time.
-src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh
-	sh src/embed_lua.sh lua > $@.tmp && mv $@.tmp $@
+# The algorithms are the lines of src/algorithms.h, which both the C files
+# and embed_lua.sh read.
+src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh src/algorithms.h
+	sh src/embed_lua.sh lua src/algorithms.h > $@.tmp && mv $@.tmp $@
 
 src/scripts.o: src/lua_scripts.h
+$(OBJS): src/rl_redis.h src/algorithms.h
 
 .PHONY: test demo bench
 test:

@@ -116,7 +116,7 @@ for alg in "${ALGORITHMS[@]}"; do
 	declare -n cmd=cmd_$alg
 	cmd=("${probe[@]//\{bench:probe\}/\{bench:__rand_int__\}}")
 	# the script's name in src/lua_scripts.h, which the library was built from
-	script_name[$alg]=$(sed -n "s/^static const char RL_LUA_\([A-Z_]*\)_SHA\[\] = \"${cmd[1]}\";$/\1/p" src/lua_scripts.h)
+	script_name[$alg]=$(sed -n "s/^static const char RL_LUA_\([A-Za-z_]*\)_SHA\[\] = \"${cmd[1]}\";$/\1/p" src/lua_scripts.h)
 	# one call on the benchmark's key layout must be allowed
 	reply=$(rcli "${cmd[@]//__rand_int__/check}" | head -1)
 	[ "$reply" = 1 ] || die "replaying the command of rl_${alg}_allow did not allow a call (reply: $reply)"

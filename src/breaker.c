@@ -52,14 +52,17 @@ rl_breaker_failed(RlFailure *failure)
 			 "%s (not retried for rl_redis.retry_interval)", failure->message);
 }
 
-/* Records a call that reached Redis, and logs the end of an outage. */
+/*
+ * Records a call that reached Redis, and logs the end of an outage at
+ * server.
+ */
 void
-rl_breaker_succeeded(void)
+rl_breaker_succeeded(const char *server)
 {
 	if (outage_start != 0)
 		ereport(LOG,
 				(errmsg("connection to Redis at %s restored after " INT64_FORMAT " ms",
-						rl_server_name(),
+						server,
 						(int64) ((GetCurrentTimestamp() - outage_start) / 1000))));
 	outage_start = 0;
 	last_failure_at = 0;

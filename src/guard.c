@@ -100,7 +100,7 @@ rl_parse_limit_spec(const char *arg, RlLimit *limit)
 {
 	int			i;
 
-	for (i = 0; i < rl_num_algorithms; i++)
+	for (i = 0; i < RL_NUM_ALGORITHMS; i++)
 	{
 		const char *name = rl_algorithms[i].name;
 		size_t		len = strlen(name);

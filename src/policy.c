@@ -98,7 +98,7 @@ rl_find_algorithm(const char *name)
 
 	if (strcmp(name, "concurrency") == 0)
 		return NULL;
-	for (i = 0; i < rl_num_algorithms; i++)
+	for (i = 0; i < RL_NUM_ALGORITHMS; i++)
 		if (strcmp(rl_algorithms[i].name, name) == 0)
 			return &rl_algorithms[i];
 	ereport(ERROR,

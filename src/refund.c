@@ -305,9 +305,8 @@ rl_remember_charge(const RlLimit *limit, StringInfo key, int32 cost,
 static bool
 rl_refund_idempotent(const RlAlgorithm *algorithm)
 {
-	/* fixed and sliding_counter subtract; the others drop a record or tags */
-	return strcmp(algorithm->name, "fixed") != 0 &&
-		strcmp(algorithm->name, "sliding_counter") != 0;
+	/* the others drop a record or tags */
+	return !algorithm->refund_subtracts;
 }
 
 /*
@@ -318,12 +317,10 @@ rl_refund_idempotent(const RlAlgorithm *algorithm)
 static bool
 rl_scope_wants(const RlPending *p, bool refund, bool idempotent)
 {
-	const char *name = p->limit.algorithm->name;
-
 	if (p->server != rl_server_generation())
 		return false;
 	if (!refund)
-		return strcmp(name, "token_bucket") == 0 || strcmp(name, "gcra") == 0;
+		return p->limit.algorithm->keeps_records;
 	return rl_refund_idempotent(p->limit.algorithm) == idempotent;
 }
 

@@ -2,15 +2,25 @@
  * rl_redis.h
  *	  Declarations shared by the files of the rl_redis extension.
  *
- * src/guc.c        the rl_redis.* settings
- * src/transport.c  the per-backend Redis connection and its socket I/O
- * src/breaker.c    the circuit breaker in front of it
- * src/scripts.c    the Lua script registry (EVALSHA, reload on NOSCRIPT)
- * src/limits.c     decisions by explicit arguments, reset and ping
- * src/policy.c     named policies (rl_policy) and several limits at once
+ * The files, each calling only files listed above it (no circle):
+ *
+ * src/algorithms.h   the table of algorithms, one line each, read by the C
+ *                    files and by src/embed_lua.sh
+ * src/guc.c          the rl_redis.* settings
+ * src/breaker.c      the circuit breaker in front of the connection
+ * src/transport.c    the per-backend Redis connection, its socket I/O and
+ *                    the transaction-end queue
+ * src/scripts.c      the algorithms and the Lua script registry (EVALSHA,
+ *                    reload on NOSCRIPT), the scripts' shared arguments
+ * src/refund.c       giving back what an aborted (sub)transaction took
+ * src/engine.c       the decision engine: arguments, keys, script call,
+ *                    reply, rl_result, on_error
+ * src/policy.c       named policies (rl_policy) and several limits at once
  * src/concurrency.c  concurrency limits (slots held by a transaction)
- * src/refund.c     giving back what an aborted (sub)transaction took
- * src/guard.c      trigger functions that rate-limit writes
+ * src/guard.c        trigger functions that rate-limit writes
+ * src/functions.c    the SQL functions of explicit limits, rl_reset and
+ *                    rl_redis_ping
+ * src/rl_redis.c     the module entry point
  */
 #ifndef RL_REDIS_H
 #define RL_REDIS_H
@@ -114,7 +124,7 @@ typedef struct RlFailure
 /* circuit breaker (breaker.c) */
 extern bool rl_breaker_open(RlFailure *failure);
 extern void rl_breaker_failed(RlFailure *failure);
-extern void rl_breaker_succeeded(void);
+extern void rl_breaker_succeeded(const char *server);
 extern void rl_breaker_reset(void);
 
 /* transport (transport.c) */
@@ -127,18 +137,35 @@ extern const char *rl_server_name(void);
 extern uint64 rl_server_generation(void);
 extern bool rl_command_was_sent(void);
 
-/* scripts (scripts.c) */
+/* scripts and algorithms (scripts.c) */
 typedef struct RlScript
 {
 	const char *body;
 	const char *sha;
 } RlScript;
 
-extern const RlScript rl_script_fixed_window;
-extern const RlScript rl_script_sliding_window;
-extern const RlScript rl_script_token_bucket;
-extern const RlScript rl_script_gcra;
-extern const RlScript rl_script_sliding_counter;
+/* One line of algorithms.h. */
+typedef struct RlAlgorithm
+{
+	const char *name;			/* in keys, in rl_policy.algorithm and in Lua */
+	RlScript	script;			/* its one-algorithm script */
+	bool		refund_subtracts;	/* a refund must not be sent twice */
+	bool		keeps_records;	/* the forget call cleans its keys */
+	bool		log;			/* lim bounded by rl_redis.sliding_max_lim */
+} RlAlgorithm;
+
+/* RL_ALG_<name>: an algorithm's index in rl_algorithms */
+enum
+{
+#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log) \
+	RL_ALG_##name,
+#include "algorithms.h"
+#undef RL_ALGORITHM
+	RL_NUM_ALGORITHMS
+};
+
+extern const RlAlgorithm rl_algorithms[RL_NUM_ALGORITHMS];
+
 extern const RlScript rl_script_check_all;
 extern const RlScript rl_script_refund;
 extern const RlScript rl_script_forget;
@@ -150,17 +177,9 @@ extern const RlScript rl_script_concurrency;
 extern redisReply *rl_run_script(const RlScript *script, int argc,
 								 const char **argv, size_t *argvlen,
 								 RlFailure *failure);
+extern size_t rl_clock_arg(char *buf);
 
-/* decisions (limits.c) */
-typedef struct RlAlgorithm
-{
-	const char *name;			/* in keys, in rl_policy.algorithm and in Lua */
-	const RlScript *script;		/* its one-algorithm script */
-} RlAlgorithm;
-
-extern const RlAlgorithm rl_algorithms[];
-extern const int rl_num_algorithms;
-
+/* the decision engine (engine.c) */
 /* One decision, as the scripts return it. */
 typedef struct RlDecision
 {
@@ -206,6 +225,8 @@ extern StringInfo rl_build_key(const char *kind, text *identity,
 							   const char *suffix);
 extern const char *rl_limit_suffix(const RlLimit *limit, char *buf);
 extern StringInfo rl_copy_key(StringInfo key);
+extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
+							  const char *name);
 extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);
@@ -232,7 +253,6 @@ extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
 extern void rl_raise(const RlFailure *failure);
 extern void rl_error_reply(redisReply *reply, RlFailure *failure);
-extern size_t rl_clock_arg(char *buf);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
 
 /* named policies (policy.c) */

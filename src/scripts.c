@@ -1,6 +1,7 @@
 /*
  * scripts.c
- *	  The Lua script registry.
+ *	  The Lua script registry: the algorithms of algorithms.h and the
+ *	  scripts that serve several, and the arguments all scripts share.
  *
  * Each script is compiled into the library together with its SHA1
  * (src/embed_lua.sh). Scripts run by EVALSHA; when Redis does not know the
@@ -10,14 +11,20 @@
  */
 #include "postgres.h"
 
+#include "utils/builtins.h"
+
 #include "rl_redis.h"
 #include "lua_scripts.h"
 
-const RlScript rl_script_fixed_window = {RL_LUA_FIXED_WINDOW, RL_LUA_FIXED_WINDOW_SHA};
-const RlScript rl_script_sliding_window = {RL_LUA_SLIDING_WINDOW, RL_LUA_SLIDING_WINDOW_SHA};
-const RlScript rl_script_token_bucket = {RL_LUA_TOKEN_BUCKET, RL_LUA_TOKEN_BUCKET_SHA};
-const RlScript rl_script_gcra = {RL_LUA_GCRA, RL_LUA_GCRA_SHA};
-const RlScript rl_script_sliding_counter = {RL_LUA_SLIDING_COUNTER, RL_LUA_SLIDING_COUNTER_SHA};
+/* The algorithms of algorithms.h, in its order (RL_ALG_<name>). */
+const RlAlgorithm rl_algorithms[RL_NUM_ALGORITHMS] = {
+#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log) \
+	{#name, {RL_LUA_ALG_##name, RL_LUA_ALG_##name##_SHA}, \
+	 refund_subtracts, keeps_records, log},
+#include "algorithms.h"
+#undef RL_ALGORITHM
+};
+
 const RlScript rl_script_check_all = {RL_LUA_CHECK_ALL, RL_LUA_CHECK_ALL_SHA};
 const RlScript rl_script_refund = {RL_LUA_REFUND, RL_LUA_REFUND_SHA};
 const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA};
@@ -50,4 +57,14 @@ rl_run_script(const RlScript *script, int argc, const char **argv,
 	argv[1] = script->body;
 	argvlen[1] = strlen(script->body);
 	return rl_command(argc, argv, argvlen, failure);
+}
+
+/* Writes the scripts' clock argument into buf: the test clock, or "". */
+size_t
+rl_clock_arg(char *buf)
+{
+	if (rl_test_clock_ms > 0)
+		return pg_lltoa((int64) (rl_test_clock_ms * 1000.0), buf);
+	buf[0] = '\0';
+	return 0;
 }

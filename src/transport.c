@@ -1395,6 +1395,6 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 	if (reply == NULL)
 		rl_breaker_failed(failure);
 	else
-		rl_breaker_succeeded();
+		rl_breaker_succeeded(rl_server_name());
 	return reply;
 }

@@ -1,0 +1,24 @@
+/*
+ * algorithms.h
+ *	  The table of rate-limit algorithms: one line each.
+ *
+ * RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log)
+ *   name              in keys, in rl_policy.algorithm, in Lua (ALG.<name>)
+ *                     and in the SQL functions rl_<name>, rl_<name>_allow
+ *                     and rl_<name>_refund
+ *   lua_file          lua/<lua_file>.lua, which defines ALG.<name>
+ *   refund_subtracts  a refund subtracts units, so it must not be sent twice
+ *   keeps_records     the key keeps refund records, which the forget call
+ *                     removes when the charging transaction commits
+ *   log               one entry per unit: lim is bounded by
+ *                     rl_redis.sliding_max_lim
+ *
+ * C includes this file with RL_ALGORITHM defined; src/embed_lua.sh reads the
+ * same lines to build the scripts. Adding an algorithm: its Lua file, one
+ * line here and an SQL script creating its functions.
+ */
+RL_ALGORITHM(fixed, fixed_window, true, false, false)
+RL_ALGORITHM(sliding, sliding_window, false, false, true)
+RL_ALGORITHM(token_bucket, token_bucket, false, true, false)
+RL_ALGORITHM(gcra, gcra, false, true, false)
+RL_ALGORITHM(sliding_counter, sliding_counter, true, false, false)

@@ -1,0 +1,294 @@
+/*
+ * functions.c
+ *	  The SQL functions of explicit limits (rl_<algorithm>, rl_<algorithm>_allow,
+ *	  rl_<algorithm>_refund, one set per line of algorithms.h) and the admin
+ *	  functions rl_reset and rl_redis_ping.
+ */
+#include "postgres.h"
+
+#include "access/htup_details.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "utils/builtins.h"
+#include "utils/timestamp.h"
+
+#include "rl_redis.h"
+
+/*
+ * Decides (or refunds) for the arguments (identity, lim, window_ms,
+ * cost-or-amount [, burst]) of the SQL function being called.
+ */
+static void
+rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
+			   RlDecision *d)
+{
+	RlLimit		limit;
+	text	   *identity;
+	int32		cost;
+
+	identity = rl_get_identity(fcinfo, 0);
+	rl_check_not_null(fcinfo, 1, "lim");
+	rl_check_not_null(fcinfo, 2, "window_ms");
+	limit.algorithm = &rl_algorithms[algorithm];
+	limit.lim = PG_GETARG_INT32(1);
+	limit.window_ms = PG_GETARG_INT64(2);
+	limit.burst = 0;
+	/* burst: NULL means the same as lim */
+	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
+	{
+		limit.burst = PG_GETARG_INT32(4);
+		if (limit.burst <= 0)
+			limit.burst = -1;	/* rejected by rl_check_limit */
+	}
+	rl_check_limit(&limit);
+	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
+
+	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, false, d);
+}
+
+/*
+ * For each algorithm, three SQL functions over rl_decide_args:
+ *   rl_<alg>(identity, lim, window_ms, cost [, burst])        -> rl_result
+ *   rl_<alg>_allow(identity, lim, window_ms, cost [, burst])  -> boolean
+ *   rl_<alg>_refund(identity, lim, window_ms, amount [, burst]) -> rl_result
+ */
+#define RL_ALGORITHM_FUNCTIONS(alg, index) \
+PG_FUNCTION_INFO_V1(rl_##alg); \
+Datum \
+rl_##alg(PG_FUNCTION_ARGS) \
+{ \
+	RlDecision	d; \
+	rl_decide_args(fcinfo, index, false, &d); \
+	return rl_result_datum(fcinfo, &d); \
+} \
+PG_FUNCTION_INFO_V1(rl_##alg##_allow); \
+Datum \
+rl_##alg##_allow(PG_FUNCTION_ARGS) \
+{ \
+	RlDecision	d; \
+	rl_decide_args(fcinfo, index, false, &d); \
+	PG_RETURN_BOOL(d.allowed); \
+} \
+PG_FUNCTION_INFO_V1(rl_##alg##_refund); \
+Datum \
+rl_##alg##_refund(PG_FUNCTION_ARGS) \
+{ \
+	RlDecision	d; \
+	rl_decide_args(fcinfo, index, true, &d); \
+	return rl_result_datum(fcinfo, &d); \
+}
+
+
+#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log) \
+	RL_ALGORITHM_FUNCTIONS(name, RL_ALG_##name)
+#include "algorithms.h"
+#undef RL_ALGORITHM
+
+/*
+ * Sends a command whose reply must not be an error and frees the reply;
+ * raises on any failure, whatever on_error says.
+ */
+static void
+rl_admin_command(int argc, const char **argv, const size_t *argvlen)
+{
+	RlFailure	failure;
+	redisReply *reply = rl_command(argc, argv, argvlen, &failure);
+
+	if (reply == NULL)
+		rl_raise(&failure);
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(reply, &failure);
+		rl_raise(&failure);
+	}
+	freeReplyObject(reply);
+}
+
+/* Appends s (len bytes) to buf with the glob characters of SCAN escaped. */
+static void
+rl_append_glob_escaped(StringInfo buf, const char *s, int len)
+{
+	int			i;
+
+	for (i = 0; i < len; i++)
+	{
+		if (strchr("*?[]\\", s[i]) != NULL)
+			appendStringInfoChar(buf, '\\');
+		appendStringInfoChar(buf, s[i]);
+	}
+}
+
+/*
+ * True when key is one of rl_redis's keys of the identity whose braces part
+ * is tag ("{<encoded identity>}"): <prefix><kind>:<tag> or
+ * <prefix><kind>:<tag>:<suffix>, kind an algorithm or "concurrency". (SCAN's
+ * pattern also matches other applications' keys and longer prefixes.)
+ */
+static bool
+rl_reset_owns(const char *key, size_t len, const char *tag, size_t taglen)
+{
+	size_t		prefix_len = strlen(rl_key_prefix);
+	int			i;
+
+	if (len < prefix_len || memcmp(key, rl_key_prefix, prefix_len) != 0)
+		return false;
+	key += prefix_len;
+	len -= prefix_len;
+	for (i = -1; i < RL_NUM_ALGORITHMS; i++)
+	{
+		const char *kind = i < 0 ? "concurrency" : rl_algorithms[i].name;
+		size_t		kindlen = strlen(kind);
+
+		if (len >= kindlen + 1 + taglen &&
+			memcmp(key, kind, kindlen) == 0 && key[kindlen] == ':' &&
+			memcmp(key + kindlen + 1, tag, taglen) == 0 &&
+			(len == kindlen + 1 + taglen || key[kindlen + 1 + taglen] == ':'))
+			return true;
+	}
+	return false;
+}
+
+/*
+ * Sends one SCAN step for pattern from cursor and DELetes the keys it
+ * returns that belong to the identity (tag, see rl_reset_owns); returns the
+ * next cursor ("0" when done) in cursor.
+ */
+static void
+rl_reset_step(StringInfo pattern, const char *tag, size_t taglen,
+			  char *cursor, size_t cursorsize)
+{
+	int			ndel = 1;
+	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
+	size_t		argvlen[6] = {4, strlen(cursor), 5, pattern->len, 5, 4};
+	RlFailure	failure;
+	redisReply *reply = rl_command(6, argv, argvlen, &failure);
+	redisReply *keys;
+	const char **del;
+	size_t	   *dellen;
+	size_t		i;
+
+	if (reply == NULL)
+		rl_raise(&failure);
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(reply, &failure);
+		rl_raise(&failure);
+	}
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
+		reply->element[0]->type != REDIS_REPLY_STRING ||
+		reply->element[0]->len >= cursorsize ||
+		reply->element[1]->type != REDIS_REPLY_ARRAY)
+	{
+		freeReplyObject(reply);
+		ereport(ERROR,
+				(errcode(ERRCODE_PROTOCOL_VIOLATION),
+				 errmsg("unexpected reply to SCAN from Redis at %s",
+						rl_server_name())));
+	}
+	keys = reply->element[1];
+	memcpy(cursor, reply->element[0]->str, reply->element[0]->len);
+	cursor[reply->element[0]->len] = '\0';
+	if (keys->elements > 0)
+	{
+		del = palloc(sizeof(char *) * (keys->elements + 1));
+		dellen = palloc(sizeof(size_t) * (keys->elements + 1));
+		del[0] = "DEL";
+		dellen[0] = 3;
+		for (i = 0; i < keys->elements; i++)
+		{
+			redisReply *k = keys->element[i];
+
+			if (k->type != REDIS_REPLY_STRING)
+			{
+				freeReplyObject(reply);
+				ereport(ERROR,
+						(errcode(ERRCODE_PROTOCOL_VIOLATION),
+						 errmsg("unexpected reply to SCAN from Redis at %s",
+								rl_server_name())));
+			}
+			if (!rl_reset_owns(k->str, k->len, tag, taglen))
+				continue;
+			del[ndel] = k->str;
+			dellen[ndel++] = k->len;
+		}
+		PG_TRY();
+		{
+			if (ndel > 1)
+				rl_admin_command(ndel, del, dellen);
+		}
+		PG_FINALLY();
+		{
+			freeReplyObject(reply);
+		}
+		PG_END_TRY();
+		pfree(del);
+		pfree(dellen);
+		return;
+	}
+	freeReplyObject(reply);
+}
+
+PG_FUNCTION_INFO_V1(rl_reset);
+
+/*
+ * rl_reset(identity): deletes every key of the identity under
+ * rl_redis.key_prefix: the state of every algorithm, explicit limit and
+ * policy (also of policies deleted since) and its concurrency slots, and no
+ * other key. It walks the key space with SCAN, so it takes longer on a
+ * large Redis.
+ */
+Datum
+rl_reset(PG_FUNCTION_ARGS)
+{
+	text	   *identity = rl_get_identity(fcinfo, 0);
+	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
+	StringInfoData pattern;
+	char		cursor[32] = "0";
+	int			prefix_len = strlen(rl_key_prefix);
+
+	/* <prefix>*:{<identity>}* with the key's own bytes escaped */
+	initStringInfo(&pattern);
+	rl_append_glob_escaped(&pattern, key->data, prefix_len);
+	appendStringInfoString(&pattern, "*:");
+	rl_append_glob_escaped(&pattern, key->data + prefix_len + 1,
+						   key->len - prefix_len - 1);
+	appendStringInfoChar(&pattern, '*');
+	do
+	{
+		CHECK_FOR_INTERRUPTS();
+		rl_reset_step(&pattern, key->data + prefix_len + 1,
+					  key->len - prefix_len - 1, cursor, sizeof(cursor));
+	} while (strcmp(cursor, "0") != 0);
+	pfree(pattern.data);
+	PG_RETURN_VOID();
+}
+
+PG_FUNCTION_INFO_V1(rl_redis_ping);
+
+/*
+ * rl_redis_ping(): checks the connection and returns the server and the
+ * round-trip time of one PING on the (already open) connection.
+ */
+Datum
+rl_redis_ping(PG_FUNCTION_ARGS)
+{
+	const char *argv[1] = {"PING"};
+	size_t		argvlen[1] = {4};
+	TimestampTz start;
+	TupleDesc	tupdesc;
+	Datum		values[2];
+	bool		nulls[2] = {false, false};
+
+	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
+		elog(ERROR, "return type must be a row type");
+	tupdesc = BlessTupleDesc(tupdesc);
+
+	rl_breaker_reset();			/* an explicit check always tries */
+	rl_admin_command(1, argv, argvlen); /* connects if needed */
+	start = GetCurrentTimestamp();
+	rl_admin_command(1, argv, argvlen);
+
+	values[0] = CStringGetTextDatum(rl_server_name());
+	values[1] = Float8GetDatum((GetCurrentTimestamp() - start) / 1000.0);
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
+}
