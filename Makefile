@@ -7,6 +7,7 @@ OBJS = \
 	src/guc.o \
 	src/transport.o \
 	src/breaker.o \
+	src/tls.o \
 	src/scripts.o \
 	src/refund.o \
 	src/engine.o \

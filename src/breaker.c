@@ -1,6 +1,7 @@
 /*
  * breaker.c
- *	  The circuit breaker in front of the Redis connection.
+ *	  The circuit breaker in front of a Redis connection (each connection
+ *	  has its own RlBreaker).
  *
  * After a call fails to reach Redis (connect, send, receive, timeout), the
  * calls within rl_redis.retry_interval fail at once with the same failure,
@@ -16,23 +17,19 @@
 
 #include "rl_redis.h"
 
-static TimestampTz outage_start = 0;	/* 0: Redis answered last time */
-static TimestampTz last_failure_at = 0;
-static RlFailure last_failure;
-
 /*
  * True when the breaker is open: the call must not touch the network, and
  * failure holds the failure to report.
  */
 bool
-rl_breaker_open(RlFailure *failure)
+rl_breaker_open(RlBreaker *b, RlFailure *failure)
 {
-	if (last_failure_at == 0 || rl_retry_interval <= 0)
+	if (b->last_failure_at == 0 || rl_retry_interval <= 0)
 		return false;
-	if (!TimestampDifferenceExceeds(last_failure_at, GetCurrentTimestamp(),
+	if (!TimestampDifferenceExceeds(b->last_failure_at, GetCurrentTimestamp(),
 									rl_retry_interval))
 	{
-		*failure = last_failure;
+		*failure = b->last_failure;
 		failure->first_in_outage = false;
 		return true;
 	}
@@ -41,14 +38,14 @@ rl_breaker_open(RlFailure *failure)
 
 /* Records a failed call; the first of an outage is marked first_in_outage. */
 void
-rl_breaker_failed(RlFailure *failure)
+rl_breaker_failed(RlBreaker *b, RlFailure *failure)
 {
-	last_failure_at = GetCurrentTimestamp();
-	failure->first_in_outage = (outage_start == 0);
-	if (outage_start == 0)
-		outage_start = last_failure_at;
-	last_failure = *failure;
-	snprintf(last_failure.message, sizeof(last_failure.message),
+	b->last_failure_at = GetCurrentTimestamp();
+	failure->first_in_outage = (b->outage_start == 0);
+	if (b->outage_start == 0)
+		b->outage_start = b->last_failure_at;
+	b->last_failure = *failure;
+	snprintf(b->last_failure.message, sizeof(b->last_failure.message),
 			 "%s (not retried for rl_redis.retry_interval)", failure->message);
 }
 
@@ -57,21 +54,21 @@ rl_breaker_failed(RlFailure *failure)
  * server.
  */
 void
-rl_breaker_succeeded(const char *server)
+rl_breaker_succeeded(RlBreaker *b, const char *server)
 {
-	if (outage_start != 0)
+	if (b->outage_start != 0)
 		ereport(LOG,
 				(errmsg("connection to Redis at %s restored after " INT64_FORMAT " ms",
 						server,
-						(int64) ((GetCurrentTimestamp() - outage_start) / 1000))));
-	outage_start = 0;
-	last_failure_at = 0;
+						(int64) ((GetCurrentTimestamp() - b->outage_start) / 1000))));
+	b->outage_start = 0;
+	b->last_failure_at = 0;
 }
 
 /* Forgets the outage, so that the next call tries the network. */
 void
-rl_breaker_reset(void)
+rl_breaker_reset(RlBreaker *b)
 {
-	last_failure_at = 0;
-	outage_start = 0;
+	b->last_failure_at = 0;
+	b->outage_start = 0;
 }

@@ -71,7 +71,7 @@ rl_queue_release(RlSlot *slot)
 	const char *argv[3] = {"ZREM", slot->key, slot->token};
 	size_t		argvlen[3] = {4, slot->keylen, strlen(slot->token)};
 
-	rl_defer_command(3, argv, argvlen, true);
+	rl_defer_command(rl_conn_current(), 3, argv, argvlen, true);
 }
 
 /*
@@ -123,7 +123,7 @@ rl_release_asking(void)
 
 	if (asking == NULL)
 		return;
-	if (!rl_command_was_sent())
+	if (!rl_command_was_sent(rl_conn_current()))
 	{
 		/* the request never reached Redis whole: there is no slot */
 		rl_free_slot(asking);
@@ -210,6 +210,7 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 				suffix[64];
 	const char *argv[8];
 	size_t		argvlen[8];
+	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure;
 	RlSlot	   *slot;
@@ -259,12 +260,15 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 		rl_free_slot(asking);
 	asking = slot;
 
-	reply = rl_run_script(&rl_script_concurrency, 8, argv, argvlen, &failure);
+	conn = rl_route(key->data, key->len);
+	reply = rl_run_script(conn, &rl_script_concurrency, 8, argv, argvlen,
+						  &failure);
 	asking = NULL;
-	if (reply == NULL || !rl_parse_decision(reply, d, NULL, 0, NULL, &failure))
+	if (reply == NULL ||
+		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
 	{
 		/* Redis may have given the slot before the call failed: give it back */
-		if (rl_command_was_sent())
+		if (rl_command_was_sent(conn))
 			rl_queue_release(slot);
 		rl_free_slot(slot);
 		rl_apply_on_error(&failure, lim, 1, d);
@@ -338,6 +342,7 @@ rl_release_slot(const char *policy, text *identity)
 	ListCell   *lc;
 	const char *argv[3];
 	size_t		argvlen[3];
+	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure;
 	bool		released;
@@ -362,10 +367,11 @@ rl_release_slot(const char *policy, text *identity)
 	argvlen[1] = slot->keylen;
 	argv[2] = slot->token;
 	argvlen[2] = strlen(slot->token);
-	reply = rl_command(3, argv, argvlen, &failure);
+	conn = rl_route(slot->key, slot->keylen);
+	reply = rl_command(conn, 3, argv, argvlen, &failure);
 	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
 	{
-		rl_error_reply(reply, &failure);
+		rl_error_reply(conn, reply, &failure);
 		reply = NULL;
 	}
 	if (reply == NULL)

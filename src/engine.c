@@ -182,6 +182,16 @@ rl_limit_suffix(const RlLimit *limit, char *buf)
 		snprintf(buf, 64, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
 	return buf;
 }
+/*
+ * Returns the connection a script call on key goes to. There is one server
+ * for now: the configured one (rl_redis.host, rl_redis.port).
+ */
+RlConn *
+rl_route(const char *key, size_t keylen)
+{
+	return rl_conn_get();
+}
+
 /* Raises a failure as an error. */
 void
 rl_raise(const RlFailure *failure)
@@ -232,7 +242,7 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
  * refuses (OOM, READONLY, WRONGTYPE, NOPERM ...) is reported with its text.
  */
 void
-rl_error_reply(redisReply *reply, RlFailure *failure)
+rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 {
 	failure->first_in_outage = true;
 	/* Redis 7 refuses commands of more than 10 words before AUTH */
@@ -243,14 +253,14 @@ rl_error_reply(redisReply *reply, RlFailure *failure)
 		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 		snprintf(failure->message, sizeof(failure->message),
 				 "could not authenticate to Redis at %s: %s",
-				 rl_server_name(), reply->str);
+				 rl_conn_name(conn), reply->str);
 	}
 	else
 	{
 		failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
 		snprintf(failure->message, sizeof(failure->message),
 				 "Redis at %s returned an error: %s",
-				 rl_server_name(), reply->str);
+				 rl_conn_name(conn), reply->str);
 	}
 	freeReplyObject(reply);
 }
@@ -264,15 +274,15 @@ rl_error_reply(redisReply *reply, RlFailure *failure)
  * charge (stored in charges[i]).
  */
 bool
-rl_parse_decision(redisReply *reply, RlDecision *d, RlCharge *charges, int n,
-				  int *index, RlFailure *failure)
+rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
+				  RlCharge *charges, int n, int *index, RlFailure *failure)
 {
 	size_t		expected = charges ? 6 + 2 * n : 7;
 	size_t		i;
 
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
-		rl_error_reply(reply, failure);
+		rl_error_reply(conn, reply, failure);
 		return false;
 	}
 	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != expected)
@@ -317,7 +327,7 @@ bad:
 	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
 	snprintf(failure->message, sizeof(failure->message),
 			 "unexpected reply from the rate-limit script at Redis %s",
-			 rl_server_name());
+			 rl_conn_name(conn));
 	return false;
 }
 
@@ -339,6 +349,7 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	char	   *num = numbers;
 	char		now_s[24];
 	const char *scopes = rl_refund_scopes(by_guard);
+	RlConn	   *conn;
 	redisReply *reply;
 	bool		ok;
 	int			i = RL_SCRIPT_ARGV_RESERVED;
@@ -377,11 +388,14 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	}
 	Assert(i == argc);
 
-	reply = rl_run_script(&rl_script_check_all, argc, argv, argvlen, failure);
+	conn = rl_route(charges[0].key->data, charges[0].key->len);
+	reply = rl_run_script(conn, &rl_script_check_all, argc, argv, argvlen,
+						  failure);
 	pfree(argv);
 	pfree(argvlen);
 	pfree(numbers);
-	ok = reply != NULL && rl_parse_decision(reply, d, charges, n, index, failure);
+	ok = reply != NULL &&
+		rl_parse_decision(conn, reply, d, charges, n, index, failure);
 	if (ok && d->allowed)
 		for (j = 0; j < n; j++)
 			rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
@@ -410,6 +424,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	StringInfo	key = rl_build_key(limit->algorithm->name, identity,
 								   policy ? policy : rl_limit_suffix(limit, suffix));
 	const char *scopes = cost > 0 ? rl_refund_scopes(by_guard) : "";
+	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure;
 
@@ -432,9 +447,11 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	argv[10] = scopes;
 	argvlen[10] = strlen(scopes);
 
-	reply = rl_run_script(&limit->algorithm->script, 11, argv, argvlen,
+	conn = rl_route(key->data, key->len);
+	reply = rl_run_script(conn, &limit->algorithm->script, 11, argv, argvlen,
 						  &failure);
-	if (reply == NULL || !rl_parse_decision(reply, d, NULL, 0, NULL, &failure))
+	if (reply == NULL ||
+		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
 	{
 		rl_apply_on_error(&failure, limit->burst > 0 ? limit->burst : limit->lim,
 						  cost, d);

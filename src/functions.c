@@ -85,20 +85,21 @@ rl_##alg##_refund(PG_FUNCTION_ARGS) \
 #undef RL_ALGORITHM
 
 /*
- * Sends a command whose reply must not be an error and frees the reply;
+ * Sends a command on conn whose reply must not be an error and frees the reply;
  * raises on any failure, whatever on_error says.
  */
 static void
-rl_admin_command(int argc, const char **argv, const size_t *argvlen)
+rl_admin_command(RlConn *conn, int argc, const char **argv,
+				 const size_t *argvlen)
 {
 	RlFailure	failure;
-	redisReply *reply = rl_command(argc, argv, argvlen, &failure);
+	redisReply *reply = rl_command(conn, argc, argv, argvlen, &failure);
 
 	if (reply == NULL)
 		rl_raise(&failure);
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
-		rl_error_reply(reply, &failure);
+		rl_error_reply(conn, reply, &failure);
 		rl_raise(&failure);
 	}
 	freeReplyObject(reply);
@@ -149,19 +150,19 @@ rl_reset_owns(const char *key, size_t len, const char *tag, size_t taglen)
 }
 
 /*
- * Sends one SCAN step for pattern from cursor and DELetes the keys it
+ * Sends one SCAN step on conn for pattern from cursor and DELetes the keys it
  * returns that belong to the identity (tag, see rl_reset_owns); returns the
  * next cursor ("0" when done) in cursor.
  */
 static void
-rl_reset_step(StringInfo pattern, const char *tag, size_t taglen,
-			  char *cursor, size_t cursorsize)
+rl_reset_step(RlConn *conn, StringInfo pattern, const char *tag,
+			  size_t taglen, char *cursor, size_t cursorsize)
 {
 	int			ndel = 1;
 	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
 	size_t		argvlen[6] = {4, strlen(cursor), 5, pattern->len, 5, 4};
 	RlFailure	failure;
-	redisReply *reply = rl_command(6, argv, argvlen, &failure);
+	redisReply *reply = rl_command(conn, 6, argv, argvlen, &failure);
 	redisReply *keys;
 	const char **del;
 	size_t	   *dellen;
@@ -171,7 +172,7 @@ rl_reset_step(StringInfo pattern, const char *tag, size_t taglen,
 		rl_raise(&failure);
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
-		rl_error_reply(reply, &failure);
+		rl_error_reply(conn, reply, &failure);
 		rl_raise(&failure);
 	}
 	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
@@ -183,7 +184,7 @@ rl_reset_step(StringInfo pattern, const char *tag, size_t taglen,
 		ereport(ERROR,
 				(errcode(ERRCODE_PROTOCOL_VIOLATION),
 				 errmsg("unexpected reply to SCAN from Redis at %s",
-						rl_server_name())));
+						rl_conn_name(conn))));
 	}
 	keys = reply->element[1];
 	memcpy(cursor, reply->element[0]->str, reply->element[0]->len);
@@ -204,7 +205,7 @@ rl_reset_step(StringInfo pattern, const char *tag, size_t taglen,
 				ereport(ERROR,
 						(errcode(ERRCODE_PROTOCOL_VIOLATION),
 						 errmsg("unexpected reply to SCAN from Redis at %s",
-								rl_server_name())));
+								rl_conn_name(conn))));
 			}
 			if (!rl_reset_owns(k->str, k->len, tag, taglen))
 				continue;
@@ -214,7 +215,7 @@ rl_reset_step(StringInfo pattern, const char *tag, size_t taglen,
 		PG_TRY();
 		{
 			if (ndel > 1)
-				rl_admin_command(ndel, del, dellen);
+				rl_admin_command(conn, ndel, del, dellen);
 		}
 		PG_FINALLY();
 		{
@@ -242,6 +243,7 @@ rl_reset(PG_FUNCTION_ARGS)
 {
 	text	   *identity = rl_get_identity(fcinfo, 0);
 	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
+	RlConn	   *conn = rl_conn_get();
 	StringInfoData pattern;
 	char		cursor[32] = "0";
 	int			prefix_len = strlen(rl_key_prefix);
@@ -256,7 +258,7 @@ rl_reset(PG_FUNCTION_ARGS)
 	do
 	{
 		CHECK_FOR_INTERRUPTS();
-		rl_reset_step(&pattern, key->data + prefix_len + 1,
+		rl_reset_step(conn, &pattern, key->data + prefix_len + 1,
 					  key->len - prefix_len - 1, cursor, sizeof(cursor));
 	} while (strcmp(cursor, "0") != 0);
 	pfree(pattern.data);
@@ -274,6 +276,7 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 {
 	const char *argv[1] = {"PING"};
 	size_t		argvlen[1] = {4};
+	RlConn	   *conn = rl_conn_get();
 	TimestampTz start;
 	TupleDesc	tupdesc;
 	Datum		values[2];
@@ -283,12 +286,12 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 		elog(ERROR, "return type must be a row type");
 	tupdesc = BlessTupleDesc(tupdesc);
 
-	rl_breaker_reset();			/* an explicit check always tries */
-	rl_admin_command(1, argv, argvlen); /* connects if needed */
+	rl_conn_reset_breaker(conn);	/* an explicit check always tries */
+	rl_admin_command(conn, 1, argv, argvlen);	/* connects if needed */
 	start = GetCurrentTimestamp();
-	rl_admin_command(1, argv, argvlen);
+	rl_admin_command(conn, 1, argv, argvlen);
 
-	values[0] = CStringGetTextDatum(rl_server_name());
+	values[0] = CStringGetTextDatum(rl_conn_name(conn));
 	values[1] = Float8GetDatum((GetCurrentTimestamp() - start) / 1000.0);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
 }

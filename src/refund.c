@@ -393,7 +393,7 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	argvlen[0] = 4;
 	argv[1] = script->body;
 	argvlen[1] = strlen(script->body);
-	rl_defer_command(argc, argv, argvlen, idempotent);
+	rl_defer_command(rl_conn_current(), argc, argv, argvlen, idempotent);
 	pfree(argv);
 	pfree(argvlen);
 	pfree(numbers);

@@ -7,14 +7,17 @@
  * src/algorithms.h   the table of algorithms, one line each, read by the C
  *                    files and by src/embed_lua.sh
  * src/guc.c          the rl_redis.* settings
- * src/breaker.c      the circuit breaker in front of the connection
- * src/transport.c    the per-backend Redis connection, its socket I/O and
- *                    the transaction-end queue
+ * src/breaker.c      the circuit breaker of one connection
+ * src/tls.c          TLS of one connection (OpenSSL, never waits itself)
+ * src/transport.c    the per-backend cache of connections (RlConn, by
+ *                    server address), their socket I/O and set-up (resolve,
+ *                    open, TLS, handshake) and transaction-end queues
  * src/scripts.c      the algorithms and the Lua script registry (EVALSHA,
  *                    reload on NOSCRIPT), the scripts' shared arguments
  * src/refund.c       giving back what an aborted (sub)transaction took
  * src/engine.c       the decision engine: arguments, keys, script call,
- *                    reply, rl_result, on_error
+ *                    reply, rl_result, on_error; routes each call to a
+ *                    connection (for now the configured server's)
  * src/policy.c       named policies (rl_policy) and several limits at once
  * src/concurrency.c  concurrency limits (slots held by a transaction)
  * src/guard.c        trigger functions that rate-limit writes
@@ -34,6 +37,7 @@
 #include "miscadmin.h"
 #include "nodes/pg_list.h"
 #include "utils/memutils.h"
+#include "utils/timestamp.h"
 
 /* rl_redis.on_error */
 typedef enum RlOnError
@@ -121,21 +125,58 @@ typedef struct RlFailure
 	char		message[512];
 } RlFailure;
 
-/* circuit breaker (breaker.c) */
-extern bool rl_breaker_open(RlFailure *failure);
-extern void rl_breaker_failed(RlFailure *failure);
-extern void rl_breaker_succeeded(const char *server);
-extern void rl_breaker_reset(void);
+/* the circuit breaker of one connection (breaker.c) */
+typedef struct RlBreaker
+{
+	TimestampTz outage_start;	/* 0: Redis answered last time */
+	TimestampTz last_failure_at;
+	RlFailure	last_failure;
+} RlBreaker;
 
-/* transport (transport.c) */
+extern bool rl_breaker_open(RlBreaker *b, RlFailure *failure);
+extern void rl_breaker_failed(RlBreaker *b, RlFailure *failure);
+extern void rl_breaker_succeeded(RlBreaker *b, const char *server);
+extern void rl_breaker_reset(RlBreaker *b);
+
+/* TLS of one connection (tls.c) */
+typedef struct RlTls
+{
+	struct ssl_ctx_st *ctx;
+	struct ssl_st *ssl;			/* NULL without TLS */
+} RlTls;
+
+/* an I/O call that must wait for the socket (what for: *want) */
+#define RL_IO_WAIT (-2)
+
+extern bool rl_tls_setup(RlTls *tls, pgsocket sock, const char *server,
+						 RlFailure *failure);
+extern int	rl_tls_handshake(RlTls *tls, uint32 *want, char *errbuf,
+							 size_t errsize);
+extern ssize_t rl_tls_write(RlTls *tls, const char *buf, size_t len,
+							uint32 *want, char *errbuf, size_t errsize);
+extern ssize_t rl_tls_read(RlTls *tls, char *buf, size_t len, uint32 *want,
+						   char *errbuf, size_t errsize);
+extern bool rl_tls_pending(RlTls *tls);
+extern bool rl_tls_alive(RlTls *tls);
+extern void rl_tls_free(RlTls *tls);
+
+/* connections and the transaction-end queue (transport.c) */
+typedef struct RlConn RlConn;
+
+/* the longest server address: "host:port" or a socket path */
+#define RL_ADDRESS_LEN 300
+
 extern void rl_transport_init(void);
-extern redisReply *rl_command(int argc, const char **argv,
+extern RlConn *rl_conn_get(void);
+extern RlConn *rl_conn_current(void);
+extern const char *rl_conn_name(RlConn *conn);
+extern void rl_conn_reset_breaker(RlConn *conn);
+extern redisReply *rl_command(RlConn *conn, int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
-extern void rl_defer_command(int argc, const char **argv,
+extern void rl_defer_command(RlConn *conn, int argc, const char **argv,
 							 const size_t *argvlen, bool idempotent);
-extern const char *rl_server_name(void);
 extern uint64 rl_server_generation(void);
-extern bool rl_command_was_sent(void);
+extern bool rl_command_was_sent(RlConn *conn);
 
 /* scripts and algorithms (scripts.c) */
 typedef struct RlScript
@@ -174,8 +215,8 @@ extern const RlScript rl_script_concurrency;
 /* argv[0] and argv[1] are left for rl_run_script to fill in */
 #define RL_SCRIPT_ARGV_RESERVED 2
 
-extern redisReply *rl_run_script(const RlScript *script, int argc,
-								 const char **argv, size_t *argvlen,
+extern redisReply *rl_run_script(RlConn *conn, const RlScript *script,
+								 int argc, const char **argv, size_t *argvlen,
 								 RlFailure *failure);
 extern size_t rl_clock_arg(char *buf);
 
@@ -244,7 +285,8 @@ typedef struct RlCharge
 	int64		epoch;			/* filled in: the key's epoch */
 } RlCharge;
 
-extern bool rl_parse_decision(redisReply *reply, RlDecision *d,
+extern RlConn *rl_route(const char *key, size_t keylen);
+extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
 extern bool rl_decide_many(RlCharge *charges, int n, bool by_guard,
@@ -252,7 +294,8 @@ extern bool rl_decide_many(RlCharge *charges, int n, bool by_guard,
 extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
 extern void rl_raise(const RlFailure *failure);
-extern void rl_error_reply(redisReply *reply, RlFailure *failure);
+extern void rl_error_reply(RlConn *conn, redisReply *reply,
+						   RlFailure *failure);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
 
 /* named policies (policy.c) */

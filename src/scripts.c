@@ -31,14 +31,14 @@ const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA};
 const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA};
 
 /*
- * Runs script with the arguments in argv[2..argc-1] (numkeys, keys, args)
+ * Runs script on conn with the arguments in argv[2..argc-1] (numkeys, keys, args)
  * and returns Redis's reply, which may be an error reply, or NULL with
  * failure filled in when Redis could not be reached. argv[0] and argv[1]
  * are filled in here. The caller frees the reply.
  */
 redisReply *
-rl_run_script(const RlScript *script, int argc, const char **argv,
-			  size_t *argvlen, RlFailure *failure)
+rl_run_script(RlConn *conn, const RlScript *script, int argc,
+			  const char **argv, size_t *argvlen, RlFailure *failure)
 {
 	redisReply *reply;
 
@@ -46,7 +46,7 @@ rl_run_script(const RlScript *script, int argc, const char **argv,
 	argvlen[0] = 7;
 	argv[1] = script->sha;
 	argvlen[1] = 40;
-	reply = rl_command(argc, argv, argvlen, failure);
+	reply = rl_command(conn, argc, argv, argvlen, failure);
 	if (reply == NULL || reply->type != REDIS_REPLY_ERROR ||
 		strncmp(reply->str, "NOSCRIPT", 8) != 0)
 		return reply;
@@ -56,7 +56,7 @@ rl_run_script(const RlScript *script, int argc, const char **argv,
 	argvlen[0] = 4;
 	argv[1] = script->body;
 	argvlen[1] = strlen(script->body);
-	return rl_command(argc, argv, argvlen, failure);
+	return rl_command(conn, argc, argv, argvlen, failure);
 }
 
 /* Writes the scripts' clock argument into buf: the test clock, or "". */

@@ -1,34 +1,41 @@
 /*
  * transport.c
- *	  The per-backend connection to Redis.
+ *	  The per-backend connections to Redis and the transaction-end queue.
+ *
+ * Each server has one RlConn in a per-backend cache keyed by its address
+ * (like postgres_fdw's connection cache), with its own socket, wait-event
+ * set, TLS state, circuit breaker and transaction-end queue; every helper
+ * here takes the connection it works on. rl_conn_get returns the connection
+ * of the configured server (rl_redis.host, rl_redis.port).
  *
  * We own the socket and use hiredis only to parse replies (redisReader); the
  * commands are encoded here. Every wait, for connect, write and read, goes
  * through one WaitEventSet holding MyLatch and the socket, so that
- * statement_timeout, pg_cancel_backend and pg_terminate_backend end a wait on
- * a hung Redis at once, and postmaster death ends the backend.
+ * statement_timeout, pg_cancel_backend and pg_terminate_backend end a wait
+ * on a hung Redis at once, and postmaster death ends the backend.
  *
- * The connection is opened on first use and kept for the life of the
- * backend. It is discarded, never reused, after any failure or interrupted
- * call (a reply might still be in flight), and after a connection setting
- * changed; the next call opens a new one.
+ * A connection is opened on first use (resolve, open, TLS, handshake: one
+ * step each) and kept for the life of the backend. It is discarded, never
+ * reused, after any failure or interrupted call (a reply might still be in
+ * flight), and after a connection setting changed; the next call opens a new
+ * one.
  *
  * Work that belongs to the end of a (sub)transaction (slot releases,
- * refunds) is queued with rl_defer_command. The transaction callback here,
- * which runs after the other modules' ones, writes the queue to an open
- * connection within a fixed budget and reads the replies it can within it;
- * the rest are read before the next command. It never connects (no
- * host-name lookup at commit) and never raises. A queued command leaves the
- * queue when its reply is read. When the connection is lost first, a
+ * refunds) is queued on a connection with rl_defer_command. The transaction
+ * callback here, which runs after the other modules' ones, writes each queue
+ * to its open connection within a fixed budget and reads the replies it can
+ * within it; the rest are read before the next command. It never connects
+ * (no host-name lookup at commit) and never raises. A queued command leaves
+ * the queue when its reply is read. When the connection is lost first, a
  * command that is harmless to repeat (a slot release, a refund that drops a
  * record) is sent again on the next connection, and one that is not (a
- * refund that subtracts) is dropped, as it may have been applied: nothing
- * is applied twice.
+ * refund that subtracts) is dropped, as it may have been applied: nothing is
+ * applied twice.
  *
- * With rl_redis.tls, the bytes go through OpenSSL on the same non-blocking
- * socket (rl_io_read/rl_io_write): a TLS handshake, read or write that has
- * to wait says for what, and waits in rl_wait like the rest. Nothing outside
- * this file touches the socket.
+ * With rl_redis.tls, the bytes go through OpenSSL (tls.c) on the same
+ * non-blocking socket (rl_io_read/rl_io_write): a TLS handshake, read or write
+ * that has to wait says for what, and waits in rl_wait like the rest.
+ * Nothing outside this file and tls.c touches the socket.
  */
 #include "postgres.h"
 
@@ -42,10 +49,6 @@
 #include <unistd.h>
 #include <arpa/inet.h>
 
-#include <openssl/err.h>
-#include <openssl/ssl.h>
-#include <openssl/x509v3.h>
-
 #include "access/xact.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
@@ -54,31 +57,76 @@
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "utils/builtins.h"
+#include "utils/hsearch.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
 #include "rl_redis.h"
 
-typedef struct RlConnection
+/*
+ * One connection to one Redis server, an entry of the per-backend cache
+ * (conn_cache) keyed by the server's address. Everything that belongs to a
+ * server is here: the socket and its wait-event set, the TLS state, the
+ * circuit breaker and the transaction-end queue.
+ *
+ * The queue holds commands for the end of a transaction: encoded one after
+ * another in queue; the end offset of each in queue_ends, and whether it
+ * may be sent twice in queue_idempotent. What a transaction end could not
+ * write waits for the next command on the connection, which sends it first:
+ * so the queue never holds more than the work of the transaction ends since
+ * the last command that reached Redis (a charge needs such a command). It
+ * belongs to its server: when the connection settings name another, it is
+ * dropped with a warning. While the queue is being written,
+ * queue_write_from and queue_write_done say which bytes went out, so that a
+ * write cut short by an error or an interrupt is accounted for.
+ */
+struct RlConn
 {
+	char		address[RL_ADDRESS_LEN];	/* hash key: "host:port" or the
+											 * socket path; also its name in
+											 * messages */
 	pgsocket	sock;			/* PGINVALID_SOCKET when there is none */
 	bool		fd_acquired;	/* we hold an external-FD slot for sock */
 	WaitEventSet *wes;			/* MyLatch, postmaster death, sock */
 	int			sock_pos;		/* position of sock in wes */
 	uint32		sock_events;	/* what wes waits for on sock right now */
 	redisReader *reader;
-	SSL_CTX    *ssl_ctx;		/* with rl_redis.tls */
-	SSL		   *ssl;
+	RlTls		tls;			/* with rl_redis.tls */
 	bool		ready;			/* connected, nothing unread but the pending
 								 * replies: safe to send */
+	bool		last_command_sent;	/* the last command was written whole
+									 * (it may have run) */
+	RlBreaker	breaker;
+	StringInfoData settings;	/* the connection settings it was made with */
+
+	/*
+	 * The address list of a connect in progress: a cancel while connecting
+	 * leaves it behind, and the next connect frees it.
+	 */
+	struct addrinfo *pending_addrs;
+
+	/* the transaction-end queue */
+	StringInfoData queue;
+	int		   *queue_ends;
+	bool	   *queue_idempotent;
+	uint8	   *queue_tries;	/* times written whole */
+	int			queue_count;
+	int			queue_max;
+	int			queue_confirmed;	/* the first commands, replies read */
 	int			pending_replies;	/* the first commands of the queue that
 									 * were written whole, their replies not
 									 * read yet */
 	size_t		queue_partial;	/* bytes written of the queue's next command */
-	char		server[300];	/* "host:port" or the socket path */
-} RlConnection;
+	bool		queue_writing;
+	size_t		queue_write_from;
+	size_t		queue_write_done;
+};
 
-static RlConnection conn = {PGINVALID_SOCKET};
+/* the connections of this backend, by address (of RlConn) */
+static HTAB *conn_cache = NULL;
+
+/* the connection of the configured server, as of the last rl_conn_get */
+static RlConn *current = NULL;
 
 /* reused for every command, so that a call allocates nothing */
 static StringInfoData out;
@@ -86,98 +134,60 @@ static StringInfoData out;
 /* a reused buffer larger than this is given back after use */
 #define RL_KEEP_BUFFER (64 * 1024)
 
-/*
- * Commands queued for the end of a transaction: encoded one after another in
- * queue; the end offset of each in queue_ends, and whether it may be sent
- * twice in queue_idempotent. What a transaction end could not write waits
- * for the next command, which sends it first: so the queue never holds more
- * than the work of the transaction ends since the last command that reached
- * Redis (a charge needs such a command). It belongs to one server: when the
- * connection settings name another, it is dropped with a warning. While the queue is being
- * written, queue_write_from and queue_write_done say which bytes went out,
- * so that a write cut short by an error or an interrupt is accounted for.
- */
-static StringInfoData queue;
-static int *queue_ends = NULL;
-static bool *queue_idempotent = NULL;
-static uint8 *queue_tries = NULL;	/* times written whole */
-static int	queue_count = 0;
-static int	queue_max = 0;
-static int	queue_confirmed = 0;	/* the first commands, replies read */
-static bool queue_writing = false;
-static size_t queue_write_from = 0;
-static size_t queue_write_done = 0;
-
 /* a command written whole this often and never confirmed is dropped */
 #define RL_QUEUE_TRIES 2
 
 /*
- * What may wait in the queue: a command beyond it is dropped with a
- * warning. (The queue holds the work of the transaction ends since the last
- * command that reached Redis; this bounds a session whose Redis stays away
- * or hung while its transactions keep ending.)
+ * What may wait in a queue: a command beyond it is dropped with a warning.
+ * (The queue holds the work of the transaction ends since the last command
+ * that reached Redis; this bounds a session whose Redis stays away or hung
+ * while its transactions keep ending.)
  */
 #define RL_MAX_QUEUE (64 * 1024 * 1024)
-
-/* whether the last command was written whole (it may have run) */
-static bool last_command_sent = false;
 
 /* counts the changes of server (connection settings) */
 static uint64 server_generation = 1;
 
-
 /* the most a transaction end waits on Redis */
 #define RL_XACT_END_BUDGET_MS 1000
 
-/*
- * The address list of a connect in progress: a cancel while connecting
- * leaves it behind, and the next connect frees it.
- */
-static struct addrinfo *pending_addrs = NULL;
-
-/* the connection settings the open connection was made with */
-static StringInfoData conn_settings;
 static char inbuf[16384];
 
+
 static void rl_transport_exit(int code, Datum arg);
-static void rl_discard_queue(const char *why);
-static void rl_queue_unconfirmed(void);
+static void rl_discard_queue(RlConn *conn, const char *why);
+static void rl_queue_unconfirmed(RlConn *conn);
 
 /* Closes the socket and frees everything that belongs to the connection. */
 static void
-rl_disconnect(void)
+rl_disconnect(RlConn *conn)
 {
-	if (conn.ssl)
-		SSL_free(conn.ssl);
-	conn.ssl = NULL;
-	if (conn.ssl_ctx)
-		SSL_CTX_free(conn.ssl_ctx);
-	conn.ssl_ctx = NULL;
-	if (conn.wes)
-		FreeWaitEventSet(conn.wes);
-	conn.wes = NULL;
-	if (conn.sock != PGINVALID_SOCKET)
-		closesocket(conn.sock);
-	conn.sock = PGINVALID_SOCKET;
-	if (conn.fd_acquired)
+	rl_tls_free(&conn->tls);
+	if (conn->wes)
+		FreeWaitEventSet(conn->wes);
+	conn->wes = NULL;
+	if (conn->sock != PGINVALID_SOCKET)
+		closesocket(conn->sock);
+	conn->sock = PGINVALID_SOCKET;
+	if (conn->fd_acquired)
 		ReleaseExternalFD();
-	conn.fd_acquired = false;
-	if (conn.reader)
-		redisReaderFree(conn.reader);
-	conn.reader = NULL;
-	conn.ready = false;
-	rl_queue_unconfirmed();
+	conn->fd_acquired = false;
+	if (conn->reader)
+		redisReaderFree(conn->reader);
+	conn->reader = NULL;
+	conn->ready = false;
+	rl_queue_unconfirmed(conn);
 }
 
 /*
- * True when the last command (rl_command), failed or not, was written whole
- * to Redis, which may then have run it; false when it never left (breaker
- * open, no connection, a write cut short).
+ * True when the last command (rl_command) on conn, failed or not, was
+ * written whole to Redis, which may then have run it; false when it never
+ * left (breaker open, no connection, a write cut short).
  */
 bool
-rl_command_was_sent(void)
+rl_command_was_sent(RlConn *conn)
 {
-	return last_command_sent;
+	return conn->last_command_sent;
 }
 
 /*
@@ -191,24 +201,109 @@ rl_server_generation(void)
 	return server_generation;
 }
 
-/* The server the current (or next) connection goes to, for messages. */
+/* The server of a connection, for messages: "host:port" or the socket path. */
 const char *
-rl_server_name(void)
+rl_conn_name(RlConn *conn)
+{
+	return conn->address;
+}
+
+/* Writes the configured server's address (rl_redis.host, port) into buf. */
+static void
+rl_configured_address(char *buf)
 {
 	if (rl_host[0] == '/')
-		snprintf(conn.server, sizeof(conn.server), "%s", rl_host);
+		snprintf(buf, RL_ADDRESS_LEN, "%s", rl_host);
 	else
-		snprintf(conn.server, sizeof(conn.server), "%s:%d", rl_host, rl_port);
-	return conn.server;
+		snprintf(buf, RL_ADDRESS_LEN, "%s:%d", rl_host, rl_port);
+}
+
+/*
+ * Returns the cache entry of the server at address, creating it (not
+ * connected) when there is none.
+ */
+static RlConn *
+rl_conn_lookup(const char *address)
+{
+	RlConn	   *conn;
+	bool		found;
+
+	if (conn_cache == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = RL_ADDRESS_LEN;
+		ctl.entrysize = sizeof(RlConn);
+		ctl.hcxt = TopMemoryContext;
+		conn_cache = hash_create("rl_redis connections", 8, &ctl,
+								 HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
+	}
+	conn = hash_search(conn_cache, address, HASH_ENTER, &found);
+	if (!found)
+	{
+		char		key[RL_ADDRESS_LEN];
+
+		/* everything but the key starts zeroed */
+		memcpy(key, conn->address, RL_ADDRESS_LEN);
+		memset(conn, 0, sizeof(RlConn));
+		memcpy(conn->address, key, RL_ADDRESS_LEN);
+		conn->sock = PGINVALID_SOCKET;
+	}
+	return conn;
+}
+
+/*
+ * Returns the connection of the configured server, which may not be open
+ * yet (rl_command opens it). When the settings now name another server
+ * than the last call's, the previous server's connection is closed and what
+ * its queue holds is dropped with a warning: state kept for one server is
+ * not sent to another (see rl_server_generation).
+ */
+RlConn *
+rl_conn_get(void)
+{
+	char		address[RL_ADDRESS_LEN];
+	RlConn	   *conn;
+
+	if (current != NULL && !rl_connection_settings_changed)
+		return current;
+	rl_configured_address(address);
+	conn = rl_conn_lookup(address);
+	if (current != NULL && current != conn)
+	{
+		rl_disconnect(current);
+		rl_discard_queue(current, "the connection settings now name another Redis server");
+		server_generation++;
+	}
+	current = conn;
+	return conn;
+}
+
+/*
+ * Returns the connection the last calls went to, where the work of a
+ * transaction end that undoes them is queued (the configured server's when
+ * there was no call yet).
+ */
+RlConn *
+rl_conn_current(void)
+{
+	return current != NULL ? current : rl_conn_get();
+}
+
+/* Forgets conn's outage, so that its next call tries the network. */
+void
+rl_conn_reset_breaker(RlConn *conn)
+{
+	rl_breaker_reset(&conn->breaker);
 }
 
 /* Fills in a failure and discards the connection. */
 static void
-rl_fail(RlFailure *failure, int sqlerrcode, const char *fmt,...)
-	pg_attribute_printf(3, 4);
+rl_fail(RlConn *conn, RlFailure *failure, int sqlerrcode, const char *fmt,...)
+	pg_attribute_printf(4, 5);
 
 static void
-rl_fail(RlFailure *failure, int sqlerrcode, const char *fmt,...)
+rl_fail(RlConn *conn, RlFailure *failure, int sqlerrcode, const char *fmt,...)
 {
 	va_list		ap;
 
@@ -216,7 +311,7 @@ rl_fail(RlFailure *failure, int sqlerrcode, const char *fmt,...)
 	va_start(ap, fmt);
 	vsnprintf(failure->message, sizeof(failure->message), fmt, ap);
 	va_end(ap);
-	rl_disconnect();
+	rl_disconnect(conn);
 }
 
 /* The deadline timeout_ms from now, or 0 for none. */
@@ -234,12 +329,12 @@ rl_deadline(int timeout_ms)
  * are serviced while waiting, so a cancel raises its error from here.
  */
 static bool
-rl_wait(uint32 events, TimestampTz deadline)
+rl_wait(RlConn *conn, uint32 events, TimestampTz deadline)
 {
-	if (conn.sock_events != events)
+	if (conn->sock_events != events)
 	{
-		ModifyWaitEvent(conn.wes, conn.sock_pos, events, NULL);
-		conn.sock_events = events;
+		ModifyWaitEvent(conn->wes, conn->sock_pos, events, NULL);
+		conn->sock_events = events;
 	}
 
 	for (;;)
@@ -255,7 +350,7 @@ rl_wait(uint32 events, TimestampTz deadline)
 				return false;
 		}
 
-		if (WaitEventSetWait(conn.wes, timeout, &event, 1,
+		if (WaitEventSetWait(conn->wes, timeout, &event, 1,
 							 PG_WAIT_EXTENSION) == 0)
 			continue;			/* timed out: the deadline check decides */
 
@@ -269,76 +364,19 @@ rl_wait(uint32 events, TimestampTz deadline)
 	}
 }
 
-#define RL_IO_WAIT (-2)
-
-/* Describes the last OpenSSL error (or the certificate check's) in buf. */
-static void
-rl_tls_error(char *buf, size_t size)
-{
-	unsigned long code = ERR_get_error();
-
-	if (conn.ssl && SSL_get_verify_result(conn.ssl) != X509_V_OK)
-		snprintf(buf, size, "certificate verify failed: %s",
-				 X509_verify_cert_error_string(SSL_get_verify_result(conn.ssl)));
-	else if (code != 0)
-		ERR_error_string_n(code, buf, size);
-	else
-		snprintf(buf, size, "%s", errno ? strerror(errno) : "connection closed");
-	ERR_clear_error();
-}
-
-/*
- * Turns an OpenSSL result r of an I/O call into RL_IO_WAIT (with *want set
- * to what to wait for), 0 for a closed connection, or -1 (with errbuf).
- */
-static ssize_t
-rl_tls_result(int r, uint32 *want, char *errbuf, size_t errsize)
-{
-	switch (SSL_get_error(conn.ssl, r))
-	{
-		case SSL_ERROR_WANT_READ:
-			*want = WL_SOCKET_READABLE;
-			return RL_IO_WAIT;
-		case SSL_ERROR_WANT_WRITE:
-			*want = WL_SOCKET_WRITEABLE;
-			return RL_IO_WAIT;
-		case SSL_ERROR_ZERO_RETURN:
-			return 0;
-		case SSL_ERROR_SYSCALL:
-			if (ERR_peek_error() == 0 && errno == 0)
-				return 0;		/* EOF without close_notify */
-			/* FALLTHROUGH */
-		default:
-			rl_tls_error(errbuf, errsize);
-			return -1;
-	}
-}
-
 /*
  * Writes up to len bytes: returns how many, RL_IO_WAIT (with *want), or -1
  * (with errbuf).
  */
 static ssize_t
-rl_io_write(const char *buf, size_t len, uint32 *want, char *errbuf,
+rl_io_write(RlConn *conn, const char *buf, size_t len, uint32 *want, char *errbuf,
 			size_t errsize)
 {
 	ssize_t		n;
 
-	if (conn.ssl)
-	{
-		int			r;
-
-		ERR_clear_error();
-		errno = 0;
-		r = SSL_write(conn.ssl, buf, (int) Min(len, (size_t) INT_MAX));
-		if (r > 0)
-			return r;
-		n = rl_tls_result(r, want, errbuf, errsize);
-		if (n == 0)
-			snprintf(errbuf, errsize, "the server closed the connection");
-		return n == 0 ? -1 : n;
-	}
-	n = send(conn.sock, buf, len, MSG_NOSIGNAL);
+	if (conn->tls.ssl)
+		return rl_tls_write(&conn->tls, buf, len, want, errbuf, errsize);
+	n = send(conn->sock, buf, len, MSG_NOSIGNAL);
 	if (n >= 0)
 		return n;
 	if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
@@ -355,22 +393,14 @@ rl_io_write(const char *buf, size_t len, uint32 *want, char *errbuf,
  * connection, RL_IO_WAIT (with *want), or -1 (with errbuf).
  */
 static ssize_t
-rl_io_read(char *buf, size_t len, uint32 *want, char *errbuf, size_t errsize)
+rl_io_read(RlConn *conn, char *buf, size_t len, uint32 *want, char *errbuf,
+		   size_t errsize)
 {
 	ssize_t		n;
 
-	if (conn.ssl)
-	{
-		int			r;
-
-		ERR_clear_error();
-		errno = 0;
-		r = SSL_read(conn.ssl, buf, (int) Min(len, (size_t) INT_MAX));
-		if (r > 0)
-			return r;
-		return rl_tls_result(r, want, errbuf, errsize);
-	}
-	n = recv(conn.sock, buf, len, 0);
+	if (conn->tls.ssl)
+		return rl_tls_read(&conn->tls, buf, len, want, errbuf, errsize);
+	n = recv(conn->sock, buf, len, 0);
 	if (n >= 0)
 		return n;
 	if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
@@ -389,8 +419,8 @@ rl_io_read(char *buf, size_t len, uint32 *want, char *errbuf, size_t errsize)
  * failure->sqlerrcode 0 and the connection kept.
  */
 static bool
-rl_write(const char *buf, size_t len, size_t *done, TimestampTz deadline,
-		 bool patient, RlFailure *failure)
+rl_write(RlConn *conn, const char *buf, size_t len, size_t *done,
+		 TimestampTz deadline, bool patient, RlFailure *failure)
 {
 	char		errbuf[256];
 
@@ -398,29 +428,29 @@ rl_write(const char *buf, size_t len, size_t *done, TimestampTz deadline,
 	while (*done < len)
 	{
 		uint32		want = WL_SOCKET_WRITEABLE;
-		ssize_t		n = rl_io_write(buf + *done, len - *done, &want,
+		ssize_t		n = rl_io_write(conn, buf + *done, len - *done, &want,
 									errbuf, sizeof(errbuf));
 
 		if (n > 0)
 			*done += n;
 		else if (n == RL_IO_WAIT)
 		{
-			if (!rl_wait(want, deadline))
+			if (!rl_wait(conn, want, deadline))
 			{
 				if (patient)
 				{
 					failure->sqlerrcode = 0;
 					return false;
 				}
-				rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
-						"timed out sending to Redis at %s", conn.server);
+				rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+						"timed out sending to Redis at %s", conn->address);
 				return false;
 			}
 		}
 		else
 		{
-			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
-					"could not send to Redis at %s: %s", conn.server, errbuf);
+			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+					"could not send to Redis at %s: %s", conn->address, errbuf);
 			return false;
 		}
 	}
@@ -434,7 +464,7 @@ rl_write(const char *buf, size_t len, size_t *done, TimestampTz deadline,
  * reader, to be completed by the next read).
  */
 static redisReply *
-rl_recv(TimestampTz deadline, bool patient, RlFailure *failure)
+rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 {
 	uint32		want = WL_SOCKET_READABLE;
 	char		errbuf[256];
@@ -444,152 +474,94 @@ rl_recv(TimestampTz deadline, bool patient, RlFailure *failure)
 		void	   *reply = NULL;
 		ssize_t		n;
 
-		if (redisReaderGetReply(conn.reader, &reply) != REDIS_OK)
+		if (redisReaderGetReply(conn->reader, &reply) != REDIS_OK)
 		{
-			rl_fail(failure, ERRCODE_PROTOCOL_VIOLATION,
+			rl_fail(conn, failure, ERRCODE_PROTOCOL_VIOLATION,
 					"invalid reply from Redis at %s: %s",
-					conn.server, conn.reader->errstr);
+					conn->address, conn->reader->errstr);
 			return NULL;
 		}
 		if (reply != NULL)
 			return (redisReply *) reply;
 
 		/* TLS may hold decrypted bytes that the socket no longer shows */
-		if (!(conn.ssl && SSL_pending(conn.ssl) > 0) &&
-			!rl_wait(want, deadline))
+		if (!(conn->tls.ssl && rl_tls_pending(&conn->tls)) &&
+			!rl_wait(conn, want, deadline))
 		{
 			if (patient)
 			{
 				failure->sqlerrcode = 0;
 				return NULL;
 			}
-			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
-					"timed out waiting for a reply from Redis at %s", conn.server);
+			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+					"timed out waiting for a reply from Redis at %s", conn->address);
 			return NULL;
 		}
 
-		n = rl_io_read(inbuf, sizeof(inbuf), &want, errbuf, sizeof(errbuf));
+		n = rl_io_read(conn, inbuf, sizeof(inbuf), &want, errbuf, sizeof(errbuf));
 		if (n > 0)
 		{
 			want = WL_SOCKET_READABLE;
-			if (redisReaderFeed(conn.reader, inbuf, n) != REDIS_OK)
+			if (redisReaderFeed(conn->reader, inbuf, n) != REDIS_OK)
 			{
-				rl_fail(failure, ERRCODE_PROTOCOL_VIOLATION,
+				rl_fail(conn, failure, ERRCODE_PROTOCOL_VIOLATION,
 						"invalid reply from Redis at %s: %s",
-						conn.server, conn.reader->errstr);
+						conn->address, conn->reader->errstr);
 				return NULL;
 			}
 		}
 		else if (n == 0)
 		{
-			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
-					"Redis at %s closed the connection", conn.server);
+			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+					"Redis at %s closed the connection", conn->address);
 			return NULL;
 		}
 		else if (n != RL_IO_WAIT)
 		{
-			rl_fail(failure, ERRCODE_CONNECTION_FAILURE,
-					"could not receive from Redis at %s: %s", conn.server, errbuf);
+			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+					"could not receive from Redis at %s: %s", conn->address, errbuf);
 			return NULL;
 		}
 	}
 }
 
 /*
- * Starts TLS on the connected socket and completes the handshake, checking
- * the server's certificate against rl_redis.tls_ca_file (or the system's
- * CAs) and its name against rl_redis.tls_server_name (or the host).
+ * Set-up step 3: starts TLS on the connected socket and completes the
+ * handshake (see rl_tls_setup for what is checked).
  */
 static bool
-rl_tls_start(TimestampTz deadline, RlFailure *failure)
+rl_tls_start(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 {
-	const char *name = rl_tls_server_name[0] ? rl_tls_server_name : rl_host;
-	unsigned char addr[sizeof(struct in6_addr)];
-	bool		is_ip = inet_pton(AF_INET, name, addr) == 1 ||
-		inet_pton(AF_INET6, name, addr) == 1;
 	char		errbuf[256];
 
-	ERR_clear_error();
-	conn.ssl_ctx = SSL_CTX_new(TLS_client_method());
-	if (conn.ssl_ctx == NULL)
-		goto fail;
-	SSL_CTX_set_min_proto_version(conn.ssl_ctx, TLS1_2_VERSION);
-	SSL_CTX_set_mode(conn.ssl_ctx, SSL_MODE_ENABLE_PARTIAL_WRITE |
-					 SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
-	SSL_CTX_set_verify(conn.ssl_ctx, SSL_VERIFY_PEER, NULL);
-	if (rl_tls_ca_file[0] != '\0')
+	if (!rl_tls_setup(&conn->tls, conn->sock, conn->address, failure))
 	{
-		if (SSL_CTX_load_verify_locations(conn.ssl_ctx, rl_tls_ca_file, NULL) != 1)
-		{
-			rl_tls_error(errbuf, sizeof(errbuf));
-			rl_fail(failure, ERRCODE_CONFIG_FILE_ERROR,
-					"could not load rl_redis.tls_ca_file: %s", errbuf);
-			return false;
-		}
+		rl_disconnect(conn);
+		return false;
 	}
-	else if (SSL_CTX_set_default_verify_paths(conn.ssl_ctx) != 1)
-		goto fail;
-	if (rl_tls_cert_file[0] != '\0')
-	{
-		if (SSL_CTX_use_certificate_chain_file(conn.ssl_ctx, rl_tls_cert_file) != 1 ||
-			SSL_CTX_use_PrivateKey_file(conn.ssl_ctx,
-										rl_tls_key_file[0] ? rl_tls_key_file : rl_tls_cert_file,
-										SSL_FILETYPE_PEM) != 1 ||
-			SSL_CTX_check_private_key(conn.ssl_ctx) != 1)
-		{
-			rl_tls_error(errbuf, sizeof(errbuf));
-			rl_fail(failure, ERRCODE_CONFIG_FILE_ERROR,
-					"could not load the client certificate (rl_redis.tls_cert_file, rl_redis.tls_key_file): %s",
-					errbuf);
-			return false;
-		}
-	}
-
-	conn.ssl = SSL_new(conn.ssl_ctx);
-	if (conn.ssl == NULL || SSL_set_fd(conn.ssl, conn.sock) != 1)
-		goto fail;
-	if (!is_ip)
-		SSL_set_tlsext_host_name(conn.ssl, name);
-	if (is_ip ?
-		X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(conn.ssl), name) != 1 :
-		SSL_set1_host(conn.ssl, name) != 1)
-		goto fail;
-
 	for (;;)
 	{
 		uint32		want;
-		ssize_t		n;
-		int			r;
+		int			r = rl_tls_handshake(&conn->tls, &want, errbuf,
+										 sizeof(errbuf));
 
-		ERR_clear_error();
-		errno = 0;
-		r = SSL_connect(conn.ssl);
 		if (r == 1)
 			return true;
-		n = rl_tls_result(r, &want, errbuf, sizeof(errbuf));
-		if (n != RL_IO_WAIT)
+		if (r != RL_IO_WAIT)
 		{
-			if (n == 0)
-				snprintf(errbuf, sizeof(errbuf), "the server closed the connection");
-			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: TLS handshake failed: %s",
-					conn.server, errbuf);
+					conn->address, errbuf);
 			return false;
 		}
-		if (!rl_wait(want, deadline))
+		if (!rl_wait(conn, want, deadline))
 		{
-			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: TLS handshake timed out after %d ms",
-					conn.server, rl_connect_timeout);
+					conn->address, rl_connect_timeout);
 			return false;
 		}
 	}
-
-fail:
-	rl_tls_error(errbuf, sizeof(errbuf));
-	rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-			"could not set up TLS for Redis at %s: %s", conn.server, errbuf);
-	return false;
 }
 
 /* Appends one command, encoded in the Redis protocol (RESP), to buf. */
@@ -614,18 +586,18 @@ rl_encode(StringInfo buf, int argc, const char **argv, const size_t *argvlen)
 
 /* Sends the command in out and reads its reply; the connection must be open. */
 static redisReply *
-rl_roundtrip(TimestampTz deadline, RlFailure *failure)
+rl_roundtrip(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 {
 	redisReply *reply;
 	size_t		done;
 
-	conn.ready = false;			/* a reply may be in flight from here on */
-	if (!rl_write(out.data, out.len, &done, deadline, false, failure))
+	conn->ready = false;			/* a reply may be in flight from here on */
+	if (!rl_write(conn, out.data, out.len, &done, deadline, false, failure))
 		return NULL;
-	last_command_sent = true;
-	reply = rl_recv(deadline, false, failure);
+	conn->last_command_sent = true;
+	reply = rl_recv(conn, deadline, false, failure);
 	if (reply != NULL)
-		conn.ready = true;
+		conn->ready = true;
 	return reply;
 }
 
@@ -634,7 +606,7 @@ rl_roundtrip(TimestampTz deadline, RlFailure *failure)
  * wait-event set around it; false with failure filled in on error.
  */
 static bool
-rl_open_socket(const struct sockaddr *addr, socklen_t addrlen,
+rl_open_socket(RlConn *conn, const struct sockaddr *addr, socklen_t addrlen,
 			   TimestampTz deadline, RlFailure *failure)
 {
 	int			err = 0;
@@ -642,63 +614,63 @@ rl_open_socket(const struct sockaddr *addr, socklen_t addrlen,
 
 	if (!AcquireExternalFD())
 	{
-		rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 				"could not connect to Redis at %s: too many open files",
-				conn.server);
+				conn->address);
 		return false;
 	}
-	conn.fd_acquired = true;
+	conn->fd_acquired = true;
 
-	conn.sock = socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	if (conn.sock == PGINVALID_SOCKET)
+	conn->sock = socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (conn->sock == PGINVALID_SOCKET)
 	{
-		rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not create socket for Redis at %s: %m", conn.server);
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+				"could not create socket for Redis at %s: %m", conn->address);
 		return false;
 	}
-	if (!pg_set_noblock(conn.sock))
+	if (!pg_set_noblock(conn->sock))
 	{
-		rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 				"could not set socket for Redis at %s to non-blocking mode: %m",
-				conn.server);
+				conn->address);
 		return false;
 	}
 	if (addr->sa_family != AF_UNIX)
 	{
 		int			on = 1;
 
-		(void) setsockopt(conn.sock, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+		(void) setsockopt(conn->sock, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
 	}
 
-	conn.wes = CreateWaitEventSet(TopMemoryContext, 3);
-	AddWaitEventToSet(conn.wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
-	AddWaitEventToSet(conn.wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
-	conn.sock_pos = AddWaitEventToSet(conn.wes, WL_SOCKET_WRITEABLE, conn.sock,
+	conn->wes = CreateWaitEventSet(TopMemoryContext, 3);
+	AddWaitEventToSet(conn->wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
+	AddWaitEventToSet(conn->wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
+	conn->sock_pos = AddWaitEventToSet(conn->wes, WL_SOCKET_WRITEABLE, conn->sock,
 									  NULL, NULL);
-	conn.sock_events = WL_SOCKET_WRITEABLE;
+	conn->sock_events = WL_SOCKET_WRITEABLE;
 
-	if (connect(conn.sock, addr, addrlen) == 0)
+	if (connect(conn->sock, addr, addrlen) == 0)
 		return true;
 	if (errno != EINPROGRESS && errno != EAGAIN && errno != EINTR)
 	{
-		rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not connect to Redis at %s: %m", conn.server);
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+				"could not connect to Redis at %s: %m", conn->address);
 		return false;
 	}
-	if (!rl_wait(WL_SOCKET_WRITEABLE, deadline))
+	if (!rl_wait(conn, WL_SOCKET_WRITEABLE, deadline))
 	{
-		rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 				"could not connect to Redis at %s: timed out after %d ms",
-				conn.server, rl_connect_timeout);
+				conn->address, rl_connect_timeout);
 		return false;
 	}
-	if (getsockopt(conn.sock, SOL_SOCKET, SO_ERROR, &err, &errlen) < 0)
+	if (getsockopt(conn->sock, SOL_SOCKET, SO_ERROR, &err, &errlen) < 0)
 		err = errno;
 	if (err != 0)
 	{
 		errno = err;
-		rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not connect to Redis at %s: %m", conn.server);
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+				"could not connect to Redis at %s: %m", conn->address);
 		return false;
 	}
 	return true;
@@ -706,14 +678,14 @@ rl_open_socket(const struct sockaddr *addr, socklen_t addrlen,
 
 /* Sends one handshake command (AUTH, SELECT); false if Redis refuses it. */
 static bool
-rl_handshake(const char *what, int argc, const char **argv,
+rl_handshake(RlConn *conn, const char *what, int argc, const char **argv,
 			 const size_t *argvlen, TimestampTz deadline, RlFailure *failure)
 {
 	redisReply *reply;
 
 	resetStringInfo(&out);
 	rl_encode(&out, argc, argv, argvlen);
-	reply = rl_roundtrip(deadline, failure);
+	reply = rl_roundtrip(conn, deadline, failure);
 	if (reply == NULL)
 	{
 		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
@@ -725,9 +697,9 @@ rl_handshake(const char *what, int argc, const char **argv,
 
 		snprintf(text, sizeof(text), "%s", reply->str);
 		freeReplyObject(reply);
-		rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 				"could not connect to Redis at %s: %s failed: %s",
-				conn.server, what, text);
+				conn->address, what, text);
 		return false;
 	}
 	freeReplyObject(reply);
@@ -752,136 +724,110 @@ rl_settings_signature(StringInfo buf)
  * values again keeps the connection).
  */
 static bool
-rl_settings_changed(void)
+rl_settings_changed(RlConn *conn)
 {
 	StringInfoData now;
 	bool		changed;
 
 	rl_connection_settings_changed = false;
-	if (!conn.ready)
+	if (!conn->ready)
 		return true;
 	initStringInfo(&now);
 	rl_settings_signature(&now);
-	changed = now.len != conn_settings.len ||
-		memcmp(now.data, conn_settings.data, now.len) != 0;
+	changed = now.len != conn->settings.len ||
+		memcmp(now.data, conn->settings.data, now.len) != 0;
 	pfree(now.data);
 	return changed;
 }
 
-/* Opens a new connection from the current settings, with AUTH and SELECT. */
+/*
+ * Set-up step 1: resolves the configured server, a Unix socket path into
+ * *sun or a host name into conn->pending_addrs (freed by rl_open, or by the
+ * next connect when a cancel cut the connect short).
+ */
 static bool
-rl_connect(RlFailure *failure)
+rl_resolve(RlConn *conn, struct sockaddr_un *sun, RlFailure *failure)
 {
-	TimestampTz deadline = rl_deadline(rl_connect_timeout);
-	static bool exit_callback_registered = false;
-
-	/* here, not in _PG_init: a preloaded library's _PG_init runs in the postmaster */
-	if (!exit_callback_registered)
-	{
-		before_shmem_exit(rl_transport_exit, (Datum) 0);
-		exit_callback_registered = true;
-	}
-
-	rl_disconnect();
-	if (pending_addrs != NULL)
-	{
-		freeaddrinfo(pending_addrs);
-		pending_addrs = NULL;
-	}
-	rl_connection_settings_changed = false;
-	rl_server_name();
-	if (conn_settings.data == NULL)
-	{
-		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
-
-		initStringInfo(&conn_settings);
-		MemoryContextSwitchTo(old);
-	}
-	else
-	{
-		StringInfoData now;
-
-		/* what was queued for the previous server must not reach this one */
-		initStringInfo(&now);
-		rl_settings_signature(&now);
-		if (now.len != conn_settings.len ||
-			memcmp(now.data, conn_settings.data, now.len) != 0)
-		{
-			server_generation++;
-			rl_discard_queue("the connection settings now name another Redis server");
-		}
-		pfree(now.data);
-	}
-	rl_settings_signature(&conn_settings);
+	struct addrinfo hints;
+	char		port[16];
+	int			rc;
 
 	if (rl_host[0] == '/')
 	{
-		struct sockaddr_un sun;
-
 		if (rl_tls)
 		{
-			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: TLS needs a TCP host, not a Unix socket",
-					conn.server);
+					conn->address);
 			return false;
 		}
-
-		if (strlen(rl_host) >= sizeof(sun.sun_path))
+		if (strlen(rl_host) >= sizeof(sun->sun_path))
 		{
-			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: socket path is too long",
-					conn.server);
+					conn->address);
 			return false;
 		}
-		memset(&sun, 0, sizeof(sun));
-		sun.sun_family = AF_UNIX;
-		strcpy(sun.sun_path, rl_host);
-		if (!rl_open_socket((struct sockaddr *) &sun, sizeof(sun), deadline,
-							failure))
-			return false;
-	}
-	else
-	{
-		struct addrinfo hints;
-		struct addrinfo *addrs;
-		struct addrinfo *ai;
-		char		port[16];
-		int			rc;
-
-		memset(&hints, 0, sizeof(hints));
-		hints.ai_family = AF_UNSPEC;
-		hints.ai_socktype = SOCK_STREAM;
-		snprintf(port, sizeof(port), "%d", rl_port);
-		rc = getaddrinfo(rl_host, port, &hints, &addrs);
-		if (rc != 0)
-		{
-			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-					"could not resolve Redis host \"%s\": %s",
-					rl_host, gai_strerror(rc));
-			return false;
-		}
-		pending_addrs = addrs;	/* freed here, or by the next connect */
-		/* try each address in turn, within the one connect deadline */
-		for (ai = addrs; ai != NULL; ai = ai->ai_next)
-		{
-			if (rl_open_socket(ai->ai_addr, ai->ai_addrlen, deadline, failure))
-				break;
-		}
-		freeaddrinfo(addrs);
-		pending_addrs = NULL;
-		if (ai == NULL)
-			return false;
-		if (rl_tls && !rl_tls_start(deadline, failure))
-			return false;
+		memset(sun, 0, sizeof(*sun));
+		sun->sun_family = AF_UNIX;
+		strcpy(sun->sun_path, rl_host);
+		return true;
 	}
 
-	conn.reader = redisReaderCreate();
-	if (conn.reader == NULL)
+	memset(&hints, 0, sizeof(hints));
+	hints.ai_family = AF_UNSPEC;
+	hints.ai_socktype = SOCK_STREAM;
+	snprintf(port, sizeof(port), "%d", rl_port);
+	rc = getaddrinfo(rl_host, port, &hints, &conn->pending_addrs);
+	if (rc != 0)
 	{
-		rl_fail(failure, ERRCODE_OUT_OF_MEMORY, "out of memory");
+		conn->pending_addrs = NULL;
+		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+				"could not resolve Redis host \"%s\": %s",
+				rl_host, gai_strerror(rc));
 		return false;
 	}
-	conn.ready = true;
+	return true;
+}
+
+/*
+ * Set-up step 2: opens a socket to the resolved server, trying each address
+ * in turn within the one connect deadline.
+ */
+static bool
+rl_open(RlConn *conn, struct sockaddr_un *sun, TimestampTz deadline,
+		RlFailure *failure)
+{
+	struct addrinfo *ai;
+
+	if (rl_host[0] == '/')
+		return rl_open_socket(conn, (struct sockaddr *) sun, sizeof(*sun),
+							  deadline, failure);
+	for (ai = conn->pending_addrs; ai != NULL; ai = ai->ai_next)
+	{
+		if (rl_open_socket(conn, ai->ai_addr, ai->ai_addrlen, deadline, failure))
+			break;
+	}
+	freeaddrinfo(conn->pending_addrs);
+	conn->pending_addrs = NULL;
+	return ai != NULL;
+}
+
+/*
+ * Set-up step 4: makes the connection ready for commands and sends the
+ * handshake commands, AUTH (with rl_redis.password or password_file) and
+ * SELECT (rl_redis.database).
+ */
+static bool
+rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
+{
+	conn->reader = redisReaderCreate();
+	if (conn->reader == NULL)
+	{
+		rl_fail(conn, failure, ERRCODE_OUT_OF_MEMORY, "out of memory");
+		return false;
+	}
+	conn->ready = true;
 
 	{
 		char		password[1024];
@@ -893,8 +839,8 @@ rl_connect(RlFailure *failure)
 
 		if (!rl_read_password(password, sizeof(password), err, sizeof(err)))
 		{
-			rl_fail(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-					"could not connect to Redis at %s: %s", conn.server, err);
+			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					"could not connect to Redis at %s: %s", conn->address, err);
 			return false;
 		}
 		if (password[0] != '\0')
@@ -908,7 +854,7 @@ rl_connect(RlFailure *failure)
 			}
 			argv[argc] = password;
 			argvlen[argc++] = strlen(password);
-			ok = rl_handshake("AUTH", argc, argv, argvlen, deadline, failure);
+			ok = rl_handshake(conn, "AUTH", argc, argv, argvlen, deadline, failure);
 			explicit_bzero(password, sizeof(password));
 			if (!ok)
 				return false;
@@ -921,10 +867,65 @@ rl_connect(RlFailure *failure)
 		size_t		argvlen[2] = {6, 0};
 
 		argvlen[1] = pg_ulltoa_n((uint64) rl_database, db);
-		if (!rl_handshake("SELECT", 2, argv, argvlen, deadline, failure))
+		if (!rl_handshake(conn, "SELECT", 2, argv, argvlen, deadline, failure))
 			return false;
 	}
 	return true;
+}
+
+/*
+ * Opens a new connection to conn's server from the current settings:
+ * resolve, open, TLS (with rl_redis.tls), handshake.
+ */
+static bool
+rl_connect(RlConn *conn, RlFailure *failure)
+{
+	TimestampTz deadline = rl_deadline(rl_connect_timeout);
+	struct sockaddr_un sun;
+	static bool exit_callback_registered = false;
+
+	/* here, not in _PG_init: a preloaded library's _PG_init runs in the postmaster */
+	if (!exit_callback_registered)
+	{
+		before_shmem_exit(rl_transport_exit, (Datum) 0);
+		exit_callback_registered = true;
+	}
+
+	rl_disconnect(conn);
+	if (conn->pending_addrs != NULL)
+	{
+		freeaddrinfo(conn->pending_addrs);
+		conn->pending_addrs = NULL;
+	}
+	rl_connection_settings_changed = false;
+	if (conn->settings.data == NULL)
+	{
+		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
+
+		initStringInfo(&conn->settings);
+		MemoryContextSwitchTo(old);
+	}
+	else
+	{
+		StringInfoData now;
+
+		/* what was queued for the previous server must not reach this one */
+		initStringInfo(&now);
+		rl_settings_signature(&now);
+		if (now.len != conn->settings.len ||
+			memcmp(now.data, conn->settings.data, now.len) != 0)
+		{
+			server_generation++;
+			rl_discard_queue(conn, "the connection settings now name another Redis server");
+		}
+		pfree(now.data);
+	}
+	rl_settings_signature(&conn->settings);
+
+	return rl_resolve(conn, &sun, failure) &&
+		rl_open(conn, &sun, deadline, failure) &&
+		(!rl_tls || rl_tls_start(conn, deadline, failure)) &&
+		rl_authenticate(conn, deadline, failure);
 }
 
 /*
@@ -932,33 +933,22 @@ rl_connect(RlFailure *failure)
  * it (a restart, CLIENT KILL, idle timeout) and sent nothing unasked.
  */
 static bool
-rl_connection_alive(void)
+rl_connection_alive(RlConn *conn)
 {
 	char		c;
 	ssize_t		n;
 
-	if (conn.ssl)
-	{
-		/* TLS records such as session tickets may arrive unasked */
-		ERR_clear_error();
-		n = SSL_peek(conn.ssl, &c, 1);
-		if (n <= 0 && SSL_get_error(conn.ssl, (int) n) == SSL_ERROR_WANT_READ)
-		{
-			ERR_clear_error();
-			return true;
-		}
-		ERR_clear_error();
-		return false;
-	}
-	n = recv(conn.sock, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+	if (conn->tls.ssl)
+		return rl_tls_alive(&conn->tls);
+	n = recv(conn->sock, &c, 1, MSG_PEEK | MSG_DONTWAIT);
 	return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
 /* The offset in queue at which command k begins. */
 static size_t
-rl_queue_offset(int k)
+rl_queue_offset(RlConn *conn, int k)
 {
-	return k == 0 ? 0 : (size_t) queue_ends[k - 1];
+	return k == 0 ? 0 : (size_t) conn->queue_ends[k - 1];
 }
 
 /*
@@ -966,37 +956,38 @@ rl_queue_offset(int k)
  * commands are only ever dropped in runs.
  */
 static void
-rl_queue_remove(int k, int n)
+rl_queue_remove(RlConn *conn, int k, int n)
 {
-	size_t		from = rl_queue_offset(k);
-	size_t		len = rl_queue_offset(k + n) - from;
+	size_t		from = rl_queue_offset(conn, k);
+	size_t		len = rl_queue_offset(conn, k + n) - from;
 	int			i;
 
 	if (n <= 0)
 		return;
-	memmove(queue.data + from, queue.data + from + len, queue.len - from - len);
-	queue.len -= len;
-	queue.data[queue.len] = '\0';
-	for (i = k + n; i < queue_count; i++)
+	memmove(conn->queue.data + from, conn->queue.data + from + len,
+			conn->queue.len - from - len);
+	conn->queue.len -= len;
+	conn->queue.data[conn->queue.len] = '\0';
+	for (i = k + n; i < conn->queue_count; i++)
 	{
-		queue_ends[i - n] = queue_ends[i] - len;
-		queue_idempotent[i - n] = queue_idempotent[i];
-		queue_tries[i - n] = queue_tries[i];
+		conn->queue_ends[i - n] = conn->queue_ends[i] - len;
+		conn->queue_idempotent[i - n] = conn->queue_idempotent[i];
+		conn->queue_tries[i - n] = conn->queue_tries[i];
 	}
-	queue_count -= n;
-	if (queue_count == 0 && queue.maxlen > RL_KEEP_BUFFER)
+	conn->queue_count -= n;
+	if (conn->queue_count == 0 && conn->queue.maxlen > RL_KEEP_BUFFER)
 	{
-		pfree(queue.data);
-		queue.data = NULL;
+		pfree(conn->queue.data);
+		conn->queue.data = NULL;
 	}
 }
 
 /* Takes the commands whose replies were read off the queue. */
 static void
-rl_queue_trim(void)
+rl_queue_trim(RlConn *conn)
 {
-	rl_queue_remove(0, queue_confirmed);
-	queue_confirmed = 0;
+	rl_queue_remove(conn, 0, conn->queue_confirmed);
+	conn->queue_confirmed = 0;
 }
 
 /*
@@ -1006,22 +997,22 @@ rl_queue_trim(void)
  * remembered, so that the next write goes on from there.
  */
 static void
-rl_queue_account(void)
+rl_queue_account(RlConn *conn)
 {
 	size_t		end;
 	int			k;
 
-	if (!queue_writing)
+	if (!conn->queue_writing)
 		return;
-	queue_writing = false;
-	end = queue_write_from + queue_write_done;
-	k = queue_confirmed + conn.pending_replies;
-	while (k < queue_count && (size_t) queue_ends[k] <= end)
+	conn->queue_writing = false;
+	end = conn->queue_write_from + conn->queue_write_done;
+	k = conn->queue_confirmed + conn->pending_replies;
+	while (k < conn->queue_count && (size_t) conn->queue_ends[k] <= end)
 	{
-		queue_tries[k++]++;
-		conn.pending_replies++;
+		conn->queue_tries[k++]++;
+		conn->pending_replies++;
 	}
-	conn.queue_partial = k < queue_count ? end - rl_queue_offset(k) : 0;
+	conn->queue_partial = k < conn->queue_count ? end - rl_queue_offset(conn, k) : 0;
 }
 
 /*
@@ -1031,25 +1022,25 @@ rl_queue_account(void)
  * not applied (Redis runs only whole commands) and is sent again whole.
  */
 static void
-rl_queue_unconfirmed(void)
+rl_queue_unconfirmed(RlConn *conn)
 {
 	int			written;
 	int			dropped = 0;
 	int			k;
 
-	rl_queue_account();
-	rl_queue_trim();
-	written = conn.pending_replies;
+	rl_queue_account(conn);
+	rl_queue_trim(conn);
+	written = conn->pending_replies;
 	for (k = written - 1; k >= 0; k--)
 	{
-		if (queue_idempotent[k] && queue_tries[k] < RL_QUEUE_TRIES)
+		if (conn->queue_idempotent[k] && conn->queue_tries[k] < RL_QUEUE_TRIES)
 			continue;
-		if (queue_idempotent[k])
+		if (conn->queue_idempotent[k])
 			dropped++;
-		rl_queue_remove(k, 1);
+		rl_queue_remove(conn, k, 1);
 	}
-	conn.pending_replies = 0;
-	conn.queue_partial = 0;
+	conn->pending_replies = 0;
+	conn->queue_partial = 0;
 	if (dropped > 0)
 		ereport(WARNING,
 				(errmsg("%d rate-limit commands of transaction ends (slot releases, refunds) were dropped after %d tries",
@@ -1065,20 +1056,22 @@ rl_queue_unconfirmed(void)
  * kept, and the next write goes on from there).
  */
 static bool
-rl_send_queue(TimestampTz deadline, RlFailure *failure)
+rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 {
 	bool		ok;
 
-	rl_queue_account();
-	rl_queue_trim();
-	if (conn.pending_replies == queue_count)
+	rl_queue_account(conn);
+	rl_queue_trim(conn);
+	if (conn->pending_replies == conn->queue_count)
 		return true;
-	queue_write_from = rl_queue_offset(conn.pending_replies) + conn.queue_partial;
-	queue_write_done = 0;
-	queue_writing = true;
-	ok = rl_write(queue.data + queue_write_from, queue.len - queue_write_from,
-				  &queue_write_done, deadline, true, failure);
-	rl_queue_account();			/* after a failure rl_disconnect did it */
+	conn->queue_write_from = rl_queue_offset(conn, conn->pending_replies) +
+		conn->queue_partial;
+	conn->queue_write_done = 0;
+	conn->queue_writing = true;
+	ok = rl_write(conn, conn->queue.data + conn->queue_write_from,
+				  conn->queue.len - conn->queue_write_from,
+				  &conn->queue_write_done, deadline, true, failure);
+	rl_queue_account(conn);	/* after a failure rl_disconnect did it */
 	return ok;
 }
 
@@ -1090,20 +1083,20 @@ rl_send_queue(TimestampTz deadline, RlFailure *failure)
  * replies are read later).
  */
 static bool
-rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
+rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 {
-	while (conn.pending_replies > 0)
+	while (conn->pending_replies > 0)
 	{
 		redisReply *reply;
 
-		reply = rl_recv(deadline, patient, failure);
+		reply = rl_recv(conn, deadline, patient, failure);
 		if (reply == NULL)
 		{
-			rl_queue_trim();
+			rl_queue_trim(conn);
 			return false;
 		}
-		conn.pending_replies--;
-		queue_confirmed++;
+		conn->pending_replies--;
+		conn->queue_confirmed++;
 		if (reply->type == REDIS_REPLY_ERROR)
 		{
 			char		text[256];
@@ -1113,57 +1106,58 @@ rl_read_pending(TimestampTz deadline, bool patient, RlFailure *failure)
 			ereport(WARNING,
 					(errcode(ERRCODE_CONNECTION_EXCEPTION),
 					 errmsg("Redis at %s refused a rate-limit command sent at the end of a transaction: %s",
-							conn.server, text),
+							conn->address, text),
 					 errdetail("A slot may stay taken until its lease ends, or units of a rolled-back transaction may not have been given back.")));
 		}
 		else
 			freeReplyObject(reply);
 	}
-	rl_queue_trim();
+	rl_queue_trim(conn);
 	return true;
 }
 
 /*
- * Queues a command to be sent at the end of the current (sub)transaction,
+ * Queues a command on conn to be sent at the end of the current (sub)transaction,
  * or with the session's next command; idempotent: it may be sent again
  * (once, after a lost connection) without harm. Beyond RL_MAX_QUEUE bytes
  * waiting the command is dropped with a warning. Raises only when out of
  * memory.
  */
 void
-rl_defer_command(int argc, const char **argv, const size_t *argvlen,
-				 bool idempotent)
+rl_defer_command(RlConn *conn, int argc, const char **argv,
+				 const size_t *argvlen, bool idempotent)
 {
 	MemoryContext old;
 
-	rl_queue_trim();
-	if (queue.len > RL_MAX_QUEUE)
+	rl_queue_trim(conn);
+	if (conn->queue.len > RL_MAX_QUEUE)
 	{
 		ereport(WARNING,
 				(errmsg("a rate-limit command of a transaction end (slot release, refund) was dropped: %d MB wait for Redis at %s already",
-						RL_MAX_QUEUE / (1024 * 1024), rl_server_name()),
+						RL_MAX_QUEUE / (1024 * 1024), conn->address),
 				 errdetail("A slot ends with its lease; units of a rolled-back transaction were not given back.")));
 		return;
 	}
 	old = MemoryContextSwitchTo(TopMemoryContext);
-	if (queue.data == NULL)
-		initStringInfo(&queue);
-	if (queue_count == queue_max)
+	if (conn->queue.data == NULL)
+		initStringInfo(&conn->queue);
+	if (conn->queue_count == conn->queue_max)
 	{
-		queue_max = Max(16, queue_max * 2);
-		queue_ends = queue_ends ? repalloc(queue_ends, sizeof(int) * queue_max) :
-			palloc(sizeof(int) * queue_max);
-		queue_idempotent = queue_idempotent ?
-			repalloc(queue_idempotent, sizeof(bool) * queue_max) :
-			palloc(sizeof(bool) * queue_max);
-		queue_tries = queue_tries ?
-			repalloc(queue_tries, sizeof(uint8) * queue_max) :
-			palloc(sizeof(uint8) * queue_max);
+		conn->queue_max = Max(16, conn->queue_max * 2);
+		conn->queue_ends = conn->queue_ends ?
+			repalloc(conn->queue_ends, sizeof(int) * conn->queue_max) :
+			palloc(sizeof(int) * conn->queue_max);
+		conn->queue_idempotent = conn->queue_idempotent ?
+			repalloc(conn->queue_idempotent, sizeof(bool) * conn->queue_max) :
+			palloc(sizeof(bool) * conn->queue_max);
+		conn->queue_tries = conn->queue_tries ?
+			repalloc(conn->queue_tries, sizeof(uint8) * conn->queue_max) :
+			palloc(sizeof(uint8) * conn->queue_max);
 	}
-	rl_encode(&queue, argc, argv, argvlen);
-	queue_idempotent[queue_count] = idempotent;
-	queue_tries[queue_count] = 0;
-	queue_ends[queue_count++] = queue.len;
+	rl_encode(&conn->queue, argc, argv, argvlen);
+	conn->queue_idempotent[conn->queue_count] = idempotent;
+	conn->queue_tries[conn->queue_count] = 0;
+	conn->queue_ends[conn->queue_count++] = conn->queue.len;
 	MemoryContextSwitchTo(old);
 }
 
@@ -1172,19 +1166,20 @@ rl_defer_command(int argc, const char **argv, const size_t *argvlen,
  * read yet), with a warning that says why.
  */
 static void
-rl_discard_queue(const char *why)
+rl_discard_queue(RlConn *conn, const char *why)
 {
 	int			dropped;
 
-	rl_queue_trim();
-	dropped = queue_count - conn.pending_replies;
+	rl_queue_trim(conn);
+	dropped = conn->queue_count - conn->pending_replies;
 	if (dropped <= 0)
 		return;
 	ereport(WARNING,
 			(errmsg("%d rate-limit commands of transaction ends (slot releases, refunds) were dropped: %s",
 					dropped, why),
 			 errdetail("Slots end with their lease; units of rolled-back transactions were not given back.")));
-	rl_queue_remove(conn.pending_replies, queue_count - conn.pending_replies);
+	rl_queue_remove(conn, conn->pending_replies,
+					conn->queue_count - conn->pending_replies);
 }
 
 /*
@@ -1194,26 +1189,26 @@ rl_discard_queue(const char *why)
  * raises or connects.
  */
 static void
-rl_flush_queue(void)
+rl_flush_queue(RlConn *conn)
 {
 	RlFailure	failure;
 	int			budget = RL_XACT_END_BUDGET_MS;
 	TimestampTz deadline;
 	RlHold		hold;
 
-	if (queue_count == 0)
+	if (conn->queue_count == 0)
 		return;
 	/* a connection the server closed while idle would swallow the queue */
-	rl_queue_account();
-	if (conn.ready && conn.pending_replies == 0 && conn.queue_partial == 0 &&
-		!rl_connection_alive())
-		rl_disconnect();
-	if (!conn.ready || conn.sock == PGINVALID_SOCKET)
+	rl_queue_account(conn);
+	if (conn->ready && conn->pending_replies == 0 && conn->queue_partial == 0 &&
+		!rl_connection_alive(conn))
+		rl_disconnect(conn);
+	if (!conn->ready || conn->sock == PGINVALID_SOCKET)
 	{
 		ereport(WARNING,
 				(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
 				 errdetail("There is no usable connection to Redis at %s now.",
-						   rl_server_name())));
+						   conn->address)));
 		return;
 	}
 	if (rl_command_timeout > 0)
@@ -1223,8 +1218,8 @@ rl_flush_queue(void)
 	PG_TRY();
 	{
 		/* written, then confirmed, so that other sessions see it at once */
-		if (!rl_send_queue(deadline, &failure) ||
-			!rl_read_pending(deadline, true, &failure))
+		if (!rl_send_queue(conn, deadline, &failure) ||
+			!rl_read_pending(conn, deadline, true, &failure))
 		{
 			if (failure.sqlerrcode != 0)
 				ereport(WARNING,
@@ -1236,25 +1231,42 @@ rl_flush_queue(void)
 	PG_CATCH();
 	{
 		rl_hold_restore(&hold);
-		rl_disconnect();
+		rl_disconnect(conn);
 	}
 	PG_END_TRY();
 }
 
 /*
- * At the end of a transaction: drops a connection whose command was
- * interrupted by an error (a reply may be in flight), then sends the queue.
+ * At the end of a (sub)transaction, for each connection: drops it when its
+ * command was interrupted by an error (a reply may be in flight; abort
+ * only), then sends its queue.
  */
+static void
+rl_xact_end(bool abort)
+{
+	HASH_SEQ_STATUS seq;
+	RlConn	   *conn;
+
+	if (conn_cache == NULL)
+		return;
+	hash_seq_init(&seq, conn_cache);
+	while ((conn = hash_seq_search(&seq)) != NULL)
+	{
+		if (abort && conn->sock != PGINVALID_SOCKET && !conn->ready)
+			rl_disconnect(conn);
+		rl_flush_queue(conn);
+	}
+}
+
+/* At the end of a transaction. */
 static void
 rl_xact_callback(XactEvent event, void *arg)
 {
-	if ((event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT) &&
-		conn.sock != PGINVALID_SOCKET && !conn.ready)
-		rl_disconnect();
-	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT ||
-		event == XACT_EVENT_COMMIT || event == XACT_EVENT_PARALLEL_COMMIT ||
-		event == XACT_EVENT_PREPARE)
-		rl_flush_queue();
+	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT)
+		rl_xact_end(true);
+	else if (event == XACT_EVENT_COMMIT || event == XACT_EVENT_PARALLEL_COMMIT ||
+			 event == XACT_EVENT_PREPARE)
+		rl_xact_end(false);
 }
 
 /* At the end of a subtransaction: the same, for a rolled-back one. */
@@ -1262,43 +1274,48 @@ static void
 rl_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 					SubTransactionId parentSubid, void *arg)
 {
-	if (event != SUBXACT_EVENT_ABORT_SUB)
-		return;
-	if (conn.sock != PGINVALID_SOCKET && !conn.ready)
-		rl_disconnect();
-	rl_flush_queue();
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		rl_xact_end(true);
 }
 
 /*
- * When the backend exits: sends what is queued and reads the replies still
- * due, within RL_XACT_END_BUDGET_MS, so that closing the socket with unread
- * replies (which resets the connection) cannot make Redis drop commands it
- * had not read yet.
+ * When the backend exits: sends what each connection has queued and reads
+ * the replies still due, all within RL_XACT_END_BUDGET_MS, so that closing
+ * a socket with unread replies (which resets the connection) cannot make
+ * Redis drop commands it had not read yet.
  */
 static void
 rl_transport_exit(int code, Datum arg)
 {
-	RlFailure	failure;
-	RlHold		hold;
-	TimestampTz deadline;
+	HASH_SEQ_STATUS seq;
+	RlConn	   *conn;
+	TimestampTz deadline = rl_deadline(RL_XACT_END_BUDGET_MS);
 
-	if (!conn.ready || conn.sock == PGINVALID_SOCKET ||
-		(queue_count == 0 && conn.pending_replies == 0))
+	if (conn_cache == NULL)
 		return;
 	HOLD_INTERRUPTS();
-	deadline = rl_deadline(RL_XACT_END_BUDGET_MS);
-	rl_hold_save(&hold);
-	PG_TRY();
+	hash_seq_init(&seq, conn_cache);
+	while ((conn = hash_seq_search(&seq)) != NULL)
 	{
-		if (rl_send_queue(deadline, &failure) &&
-			rl_read_pending(deadline, true, &failure))
-			rl_disconnect();
+		RlFailure	failure;
+		RlHold		hold;
+
+		if (!conn->ready || conn->sock == PGINVALID_SOCKET ||
+			(conn->queue_count == 0 && conn->pending_replies == 0))
+			continue;
+		rl_hold_save(&hold);
+		PG_TRY();
+		{
+			if (rl_send_queue(conn, deadline, &failure) &&
+				rl_read_pending(conn, deadline, true, &failure))
+				rl_disconnect(conn);
+		}
+		PG_CATCH();
+		{
+			rl_hold_restore(&hold);
+		}
+		PG_END_TRY();
 	}
-	PG_CATCH();
-	{
-		rl_hold_restore(&hold);
-	}
-	PG_END_TRY();
 	RESUME_INTERRUPTS();
 }
 
@@ -1324,13 +1341,13 @@ rl_transport_init(void)
  * error from inside.
  */
 redisReply *
-rl_command(int argc, const char **argv, const size_t *argvlen,
+rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
 		   RlFailure *failure)
 {
 	redisReply *reply = NULL;
 	TimestampTz deadline;
 
-	last_command_sent = false;
+	conn->last_command_sent = false;
 	if (out.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -1340,22 +1357,22 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 	}
 	if (rl_connection_settings_changed)
 	{
-		rl_breaker_reset();		/* settings were set: try at once */
-		if (rl_settings_changed())
-			conn.ready = false;
+		rl_breaker_reset(&conn->breaker);	/* settings were set: try at once */
+		if (rl_settings_changed(conn))
+			conn->ready = false;
 	}
-	else if (rl_breaker_open(failure))
+	else if (rl_breaker_open(&conn->breaker, failure))
 		return NULL;
 
 	/* unread replies make the liveness peek useless; reading them checks */
-	rl_queue_account();
-	if (!conn.ready ||
-		(conn.pending_replies == 0 && conn.queue_partial == 0 &&
-		 !rl_connection_alive()))
+	rl_queue_account(conn);
+	if (!conn->ready ||
+		(conn->pending_replies == 0 && conn->queue_partial == 0 &&
+		 !rl_connection_alive(conn)))
 	{
-		if (!rl_connect(failure))
+		if (!rl_connect(conn, failure))
 		{
-			rl_breaker_failed(failure);
+			rl_breaker_failed(&conn->breaker, failure);
 			return NULL;
 		}
 	}
@@ -1367,22 +1384,22 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 	 * (never losing or repeating it).
 	 */
 	deadline = rl_deadline(rl_command_timeout);
-	if (!rl_send_queue(deadline, failure) ||
-		!rl_read_pending(deadline, true, failure))
+	if (!rl_send_queue(conn, deadline, failure) ||
+		!rl_read_pending(conn, deadline, true, failure))
 	{
 		if (failure->sqlerrcode == 0)
 		{
 			failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
 			snprintf(failure->message, sizeof(failure->message),
 					 "timed out: Redis at %s is still busy with rate-limit work of earlier transaction ends",
-					 conn.server);
+					 conn->address);
 		}
 	}
 	else
 	{
 		resetStringInfo(&out);
 		rl_encode(&out, argc, argv, argvlen);
-		reply = rl_roundtrip(deadline, failure);
+		reply = rl_roundtrip(conn, deadline, failure);
 		if (out.maxlen > RL_KEEP_BUFFER)
 		{
 			/* a huge command does not keep its buffer for the backend's life */
@@ -1393,8 +1410,8 @@ rl_command(int argc, const char **argv, const size_t *argvlen,
 		}
 	}
 	if (reply == NULL)
-		rl_breaker_failed(failure);
+		rl_breaker_failed(&conn->breaker, failure);
 	else
-		rl_breaker_succeeded(rl_server_name());
+		rl_breaker_succeeded(&conn->breaker, conn->address);
 	return reply;
 }
