@@ -1117,9 +1117,9 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 }
 
 /*
- * Queues a command on conn to be sent at the end of the current (sub)transaction,
- * or with the session's next command; idempotent: it may be sent again
- * (once, after a lost connection) without harm. Beyond RL_MAX_QUEUE bytes
+ * Queues a command on conn to be sent at the end of the current
+ * (sub)transaction, or with the session's next command on conn; idempotent:
+ * it may be sent again (once, after a lost connection) without harm. Beyond RL_MAX_QUEUE bytes
  * waiting the command is dropped with a warning. Raises only when out of
  * memory.
  */
