@@ -256,11 +256,10 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	slot->nestlevel = GetCurrentTransactionNestLevel();
 	strlcpy(slot->token, token, sizeof(slot->token));
 	MemoryContextSwitchTo(old);
+	conn = rl_route(key->data, key->len);
 	if (asking != NULL)
 		rl_free_slot(asking);
 	asking = slot;
-
-	conn = rl_route(key->data, key->len);
 	reply = rl_run_script(conn, &rl_script_concurrency, 8, argv, argvlen,
 						  &failure);
 	asking = NULL;

@@ -120,6 +120,7 @@ struct RlConn
 	bool		queue_writing;
 	size_t		queue_write_from;
 	size_t		queue_write_done;
+	struct RlConn *next;		/* the next entry of conn_list */
 };
 
 /* the connections of this backend, by address (of RlConn) */
@@ -222,6 +223,12 @@ rl_configured_address(char *buf)
  * Returns the cache entry of the server at address, creating it (not
  * connected) when there is none.
  */
+/*
+ * Every entry of conn_cache, linked: the transaction-end callbacks walk
+ * this list, as a hash_seq scan there could raise.
+ */
+static RlConn *conn_list = NULL;
+
 static RlConn *
 rl_conn_lookup(const char *address)
 {
@@ -248,6 +255,8 @@ rl_conn_lookup(const char *address)
 		memset(conn, 0, sizeof(RlConn));
 		memcpy(conn->address, key, RL_ADDRESS_LEN);
 		conn->sock = PGINVALID_SOCKET;
+		conn->next = conn_list;
+		conn_list = conn;
 	}
 	return conn;
 }
@@ -1189,11 +1198,9 @@ rl_discard_queue(RlConn *conn, const char *why)
  * raises or connects.
  */
 static void
-rl_flush_queue(RlConn *conn)
+rl_flush_queue(RlConn *conn, TimestampTz deadline)
 {
 	RlFailure	failure;
-	int			budget = RL_XACT_END_BUDGET_MS;
-	TimestampTz deadline;
 	RlHold		hold;
 
 	if (conn->queue_count == 0)
@@ -1211,9 +1218,6 @@ rl_flush_queue(RlConn *conn)
 						   conn->address)));
 		return;
 	}
-	if (rl_command_timeout > 0)
-		budget = Min(budget, rl_command_timeout);
-	deadline = rl_deadline(budget);
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
@@ -1244,17 +1248,19 @@ rl_flush_queue(RlConn *conn)
 static void
 rl_xact_end(bool abort)
 {
-	HASH_SEQ_STATUS seq;
 	RlConn	   *conn;
+	int			budget = RL_XACT_END_BUDGET_MS;
+	TimestampTz deadline;
 
-	if (conn_cache == NULL)
-		return;
-	hash_seq_init(&seq, conn_cache);
-	while ((conn = hash_seq_search(&seq)) != NULL)
+	/* one budget for the whole transaction end */
+	if (rl_command_timeout > 0)
+		budget = Min(budget, rl_command_timeout);
+	deadline = rl_deadline(budget);
+	for (conn = conn_list; conn != NULL; conn = conn->next)
 	{
 		if (abort && conn->sock != PGINVALID_SOCKET && !conn->ready)
 			rl_disconnect(conn);
-		rl_flush_queue(conn);
+		rl_flush_queue(conn, deadline);
 	}
 }
 
@@ -1287,15 +1293,11 @@ rl_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 static void
 rl_transport_exit(int code, Datum arg)
 {
-	HASH_SEQ_STATUS seq;
 	RlConn	   *conn;
 	TimestampTz deadline = rl_deadline(RL_XACT_END_BUDGET_MS);
 
-	if (conn_cache == NULL)
-		return;
 	HOLD_INTERRUPTS();
-	hash_seq_init(&seq, conn_cache);
-	while ((conn = hash_seq_search(&seq)) != NULL)
+	for (conn = conn_list; conn != NULL; conn = conn->next)
 	{
 		RlFailure	failure;
 		RlHold		hold;
