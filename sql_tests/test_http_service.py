@@ -1018,10 +1018,18 @@ def test_empty_lines_before_a_request_are_ignored(strict_service):
 
 
 def test_long_identity(service, shared_redis):
-    # 60 000 characters: the statement is larger than a socket buffer may take at once
-    identity = new_ident("http-long") + "x" * 60000
+    """An identity is a Redis key for up to a window: at most 512 bytes of
+    UTF-8 (review finding: 65 000 bytes pinned 64 KB of Redis for years)."""
+    base = new_ident("http-long")
+    identity = base + "x" * (512 - len(base))
     check_allowed(service.decide(SLIDING, identity, 3, 60), 3, 2, 60)
     assert shared_redis.command("ZCARD", rl_key("sliding", identity, lim=3, window_ms=60000)) == 1
+    too_long = base + "x" * (513 - len(base))
+    body = json.dumps({"identity": too_long, "limit": 3, "windowSeconds": 60}).encode()
+    response = service.post(SLIDING, body)
+    assert response.status == 400
+    assert "at most 512 bytes" in response.json["error"]
+    assert shared_redis.command("EXISTS", rl_key("sliding", too_long, lim=3, window_ms=60000)) == 0
 
 
 def test_surrogate_pair_is_one_character(service, shared_redis):
@@ -1137,6 +1145,24 @@ def test_max_connections_replaces_the_longest_waiting(start_service):
         check_allowed(svc.decide(FIXED, identity, 10, 600), 10, 9 - i, 600)
     assert first.closed_by_server(10)
     for conn in others + [first]:
+        conn.close()
+
+
+def test_burst_of_silent_connections_does_not_stop_accepting(start_service):
+    """Review finding: a burst of more than --max-connections connections
+    that send nothing must not stop the service from accepting until their
+    header deadline: a new client is served at once, in the place of one
+    that waits for a request."""
+    svc = start_service("--max-connections", "4", "--header-timeout", "20")
+    silent = []
+    for _ in range(10):
+        silent.append(svc.raw())
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    identity = new_ident("http-burst")
+    check_allowed(svc.decide(FIXED, identity, 10, 600), 10, 9, 600)
+    assert time.monotonic() - t0 < 5.0  # not the 20 s header deadline
+    for conn in silent:
         conn.close()
 
 

@@ -130,6 +130,10 @@ def _int_field(body, field, minimum, maximum, default=None):
     return value
 
 
+# the longest identity accepted (a Redis key each)
+MAX_IDENTITY_BYTES = 512
+
+
 def _text_field(body, field, what):
     value = body.get(field)
     if value is None:
@@ -185,6 +189,10 @@ def parse_body(path, raw):
                              % (_short(key), ", ".join(FIELDS[path]), hint))
 
     identity = _text_field(body, "identity", "a non-blank string")
+    if len(identity.encode("utf-8")) > MAX_IDENTITY_BYTES:
+        # every identity is a Redis key for up to a window: keep them small
+        raise BadRequest("identity must be at most %d bytes of UTF-8, got %d"
+                         % (MAX_IDENTITY_BYTES, len(identity.encode("utf-8"))))
     if path == POLICY:
         policy = _text_field(body, "policy", "the name of a policy")
         if not POLICY_NAME.fullmatch(policy):
@@ -741,6 +749,10 @@ class HttpConnection(asyncio.Protocol):
         self.w.waiting[self] = None
         if self.w.draining:
             self.evict()
+        else:
+            # accepting may have stopped while this one was still being
+            # attached; as it waits for a request, it can make room
+            self.w.became_idle()
 
     def connection_lost(self, exc):
         self.state = CLOSED
@@ -920,7 +932,7 @@ class HttpConnection(asyncio.Protocol):
         """The deadline of the current state has passed."""
         state = self.state
         if state == IDLE:
-            self.transport.close()  # idle keep-alive (or a connection that never sent a byte)
+            self._close()  # idle keep-alive (or a connection that never sent a byte)
         elif state == HEAD:
             self._fail(HttpError(408, "request head not received within %g s" % self.w.header_timeout))
         elif state == BODY:
@@ -935,9 +947,19 @@ class HttpConnection(asyncio.Protocol):
         self.w.waiting.pop(self, None)
         self.w.conns.discard(self)
         if self.state == IDLE:
-            self.transport.close()
+            self._close()
         else:
             self.transport.abort()
+
+    def _close(self):
+        """Closes an idle connection; one with answers still unsent (a
+        client that pipelines and never reads) is aborted: close() would
+        wait for them without end, and the connection would no longer be
+        counted."""
+        if self.transport.get_write_buffer_size() > 0:
+            self.transport.abort()
+        else:
+            self.transport.close()
 
 
 # ---------------------------------------------------------------- one worker process
@@ -984,12 +1006,15 @@ class Worker:
     def _accept(self):
         for _ in range(64):
             if len(self.conns) + self.pending >= self.max_connections and not self.waiting:
-                # every connection has a request in progress: new ones wait in the backlog
+                # every connection has a request in progress or is still
+                # being attached: new ones wait in the backlog until one of
+                # them waits for a request (connection_made, became_idle)
                 self._accept_off()
                 now = self.loop.time()
                 if now - self.full_logged > 10:
                     self.full_logged = now
-                    log("at --max-connections (%d), all busy: new connections wait" % self.max_connections)
+                    log("at --max-connections (%d), none waiting for a request: new connections wait"
+                        % self.max_connections)
                 return
             try:
                 sock, _ = self.lsock.accept()
