@@ -9,6 +9,7 @@ OBJS = \
 	src/breaker.o \
 	src/tls.o \
 	src/scripts.o \
+	src/router.o \
 	src/refund.o \
 	src/engine.o \
 	src/functions.o \

@@ -70,8 +70,14 @@ rl_queue_release(RlSlot *slot)
 {
 	const char *argv[3] = {"ZREM", slot->key, slot->token};
 	size_t		argvlen[3] = {4, slot->keylen, strlen(slot->token)};
+	RlConn	   *conn = rl_route_known(slot->key, slot->keylen);
 
-	rl_defer_command(rl_conn_current(), 3, argv, argvlen, true);
+	if (conn == NULL)
+		ereport(WARNING,
+				(errmsg("a concurrency slot could not be given back: the Redis node of its key is not known"),
+				 errdetail("It is freed when its lease ends.")));
+	else
+		rl_defer_command(conn, 3, argv, argvlen, true);
 }
 
 /*
@@ -120,10 +126,12 @@ static void
 rl_release_asking(void)
 {
 	RlHold		hold;
+	RlConn	   *conn;
 
 	if (asking == NULL)
 		return;
-	if (!rl_command_was_sent(rl_conn_current()))
+	conn = rl_route_known(asking->key, asking->keylen);
+	if (conn == NULL || !rl_command_was_sent(conn))
 	{
 		/* the request never reached Redis whole: there is no slot */
 		rl_free_slot(asking);
@@ -256,18 +264,17 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	slot->nestlevel = GetCurrentTransactionNestLevel();
 	strlcpy(slot->token, token, sizeof(slot->token));
 	MemoryContextSwitchTo(old);
-	conn = rl_route(key->data, key->len);
 	if (asking != NULL)
 		rl_free_slot(asking);
 	asking = slot;
-	reply = rl_run_script(conn, &rl_script_concurrency, 8, argv, argvlen,
-						  &failure);
+	reply = rl_call(key->data, key->len, &rl_script_concurrency, 8, argv,
+					argvlen, &conn, &failure);
 	asking = NULL;
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
 	{
 		/* Redis may have given the slot before the call failed: give it back */
-		if (rl_command_was_sent(conn))
+		if (conn != NULL && rl_command_was_sent(conn))
 			rl_queue_release(slot);
 		rl_free_slot(slot);
 		rl_apply_on_error(&failure, lim, 1, d);
@@ -366,8 +373,8 @@ rl_release_slot(const char *policy, text *identity)
 	argvlen[1] = slot->keylen;
 	argv[2] = slot->token;
 	argvlen[2] = strlen(slot->token);
-	conn = rl_route(slot->key, slot->keylen);
-	reply = rl_command(conn, 3, argv, argvlen, &failure);
+	reply = rl_call(slot->key, slot->keylen, NULL, 3, argv, argvlen, &conn,
+					&failure);
 	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
 	{
 		rl_error_reply(conn, reply, &failure);

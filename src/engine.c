@@ -182,16 +182,6 @@ rl_limit_suffix(const RlLimit *limit, char *buf)
 		snprintf(buf, 64, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
 	return buf;
 }
-/*
- * Returns the connection a script call on key goes to. There is one server
- * for now: the configured one (rl_redis.host, rl_redis.port).
- */
-RlConn *
-rl_route(const char *key, size_t keylen)
-{
-	return rl_conn_get();
-}
-
 /* Raises a failure as an error. */
 void
 rl_raise(const RlFailure *failure)
@@ -332,15 +322,15 @@ bad:
 }
 
 /*
- * Decides n charges (a limit, a key and a cost each; cost < 0 gives back) in
- * one script call: applied to all or to none. Fills d with the most
- * restrictive result and *index with its charge, and remembers the charges
- * for a refund on abort (by_guard: made by a guard). False, with failure
- * filled in, when Redis gave no decision.
+ * Decides n charges that share one cluster slot in one script call: applied
+ * to all or to none. Fills d with the most restrictive result and *index
+ * with its charge, and remembers allowed charges for a refund on abort (by:
+ * who made them). False, with failure filled in, when Redis gave no
+ * decision.
  */
-bool
-rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
-			   int *index, RlFailure *failure)
+static bool
+rl_decide_group(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
+				int *index, RlFailure *failure)
 {
 	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 2 + 5 * n;
 	const char **argv = palloc(sizeof(char *) * argc);
@@ -348,7 +338,7 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	char	   *numbers = palloc(n * 4 * 24 + 24);
 	char	   *num = numbers;
 	char		now_s[24];
-	const char *scopes = rl_refund_scopes(by_guard);
+	const char *scopes = rl_refund_scopes(by);
 	RlConn	   *conn;
 	redisReply *reply;
 	bool		ok;
@@ -388,9 +378,8 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	}
 	Assert(i == argc);
 
-	conn = rl_route(charges[0].key->data, charges[0].key->len);
-	reply = rl_run_script(conn, &rl_script_check_all, argc, argv, argvlen,
-						  failure);
+	reply = rl_call(charges[0].key->data, charges[0].key->len,
+					&rl_script_check_all, argc, argv, argvlen, &conn, failure);
 	pfree(argv);
 	pfree(argvlen);
 	pfree(numbers);
@@ -399,8 +388,119 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	if (ok && d->allowed)
 		for (j = 0; j < n; j++)
 			rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
-							   charges[j].stamp_us, charges[j].epoch, by_guard);
+							   charges[j].stamp_us, charges[j].epoch, by);
 	return ok;
+}
+
+/* A charge and its place in the caller's array, to sort by slot. */
+typedef struct RlSlotCharge
+{
+	int			slot;
+	int			index;
+} RlSlotCharge;
+
+/* qsort order of RlSlotCharge: by slot, then as the caller gave them */
+static int
+rl_slot_charge_cmp(const void *a, const void *b)
+{
+	const RlSlotCharge *x = (const RlSlotCharge *) a;
+	const RlSlotCharge *y = (const RlSlotCharge *) b;
+
+	if (x->slot != y->slot)
+		return (x->slot > y->slot) - (x->slot < y->slot);
+	return (x->index > y->index) - (x->index < y->index);
+}
+
+/* True when decision a is more restrictive than b (as run_all.lua says). */
+static bool
+rl_tighter(const RlDecision *a, const RlDecision *b)
+{
+	if (a->allowed != b->allowed)
+		return !a->allowed;
+	if (!a->allowed)
+	{
+		if (a->retry_after_ms == -1 || b->retry_after_ms == -1)
+			return a->retry_after_ms == -1 && b->retry_after_ms != -1;
+		return a->retry_after_ms > b->retry_after_ms;
+	}
+	if (a->remaining != b->remaining)
+		return a->remaining < b->remaining;
+	return a->reset_ms > b->reset_ms;
+}
+
+/*
+ * Decides n charges (a limit, a key and a cost each; cost < 0 gives back):
+ * applied to all or to none. Fills d with the most restrictive result and
+ * *index with its charge, and remembers the charges for a refund on abort
+ * (by_guard: made by a guard). False, with failure filled in, when Redis
+ * gave no decision.
+ *
+ * Keys of one cluster slot go in one script call, which is atomic. Keys in
+ * several slots (a statement guard over many identities, in cluster mode)
+ * are decided one slot after another, until one denies or fails; the units
+ * taken in the slots before it are then given back by the abort that
+ * follows (the callers raise on a denial), whatever refund_on_abort says.
+ * Meanwhile another caller may see them taken.
+ */
+bool
+rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
+			   int *index, RlFailure *failure)
+{
+	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
+	RlSlotCharge *order;
+	RlCharge   *group;
+	bool		found = false;
+	int			j;
+	int			size;
+
+	for (j = 1; j < n; j++)
+		if (rl_route_slot(charges[j].key->data, charges[j].key->len) !=
+			rl_route_slot(charges[0].key->data, charges[0].key->len))
+			break;
+	if (j >= n)
+		return rl_decide_group(charges, n, by, d, index, failure);
+
+	order = palloc(sizeof(RlSlotCharge) * n);
+	for (j = 0; j < n; j++)
+	{
+		order[j].slot = rl_route_slot(charges[j].key->data, charges[j].key->len);
+		order[j].index = j;
+	}
+	qsort(order, n, sizeof(RlSlotCharge), rl_slot_charge_cmp);
+	group = palloc(sizeof(RlCharge) * n);
+	for (j = 0; j < n; j += size)
+	{
+		RlDecision	gd;
+		int			gi;
+		int			k;
+
+		for (size = 1; j + size < n && order[j + size].slot == order[j].slot; size++)
+			;
+		for (k = 0; k < size; k++)
+			group[k] = charges[order[j + k].index];
+		if (!rl_decide_group(group, size, RL_BY_SPLIT, &gd, &gi, failure))
+		{
+			pfree(order);
+			pfree(group);
+			return false;
+		}
+		for (k = 0; k < size; k++)
+		{
+			charges[order[j + k].index].stamp_us = group[k].stamp_us;
+			charges[order[j + k].index].epoch = group[k].epoch;
+		}
+		if (!found || rl_tighter(&gd, d))
+		{
+			*d = gd;
+			*index = order[j + gi].index;
+			found = true;
+		}
+		if (!gd.allowed)
+			break;
+	}
+	pfree(order);
+	pfree(group);
+	return true;
 }
 
 /*
@@ -423,7 +523,8 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 				suffix[64];
 	StringInfo	key = rl_build_key(limit->algorithm->name, identity,
 								   policy ? policy : rl_limit_suffix(limit, suffix));
-	const char *scopes = cost > 0 ? rl_refund_scopes(by_guard) : "";
+	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
+	const char *scopes = cost > 0 ? rl_refund_scopes(by) : "";
 	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure;
@@ -447,9 +548,8 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	argv[10] = scopes;
 	argvlen[10] = strlen(scopes);
 
-	conn = rl_route(key->data, key->len);
-	reply = rl_run_script(conn, &limit->algorithm->script, 11, argv, argvlen,
-						  &failure);
+	reply = rl_call(key->data, key->len, &limit->algorithm->script, 11, argv,
+					argvlen, &conn, &failure);
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
 	{
@@ -458,7 +558,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 		return;
 	}
 	if (d->allowed && cost > 0)
-		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by_guard);
+		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by);
 }
 
 /* Returns d as an rl_result datum. */

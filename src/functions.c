@@ -243,11 +243,15 @@ rl_reset(PG_FUNCTION_ARGS)
 {
 	text	   *identity = rl_get_identity(fcinfo, 0);
 	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
-	RlConn	   *conn = rl_conn_get();
+	RlFailure	failure;
+	RlConn	   *conn = rl_route(key->data, key->len, &failure);
 	StringInfoData pattern;
 	char		cursor[32] = "0";
 	int			prefix_len = strlen(rl_key_prefix);
 
+	/* every key of the identity shares its hash tag, so its cluster node */
+	if (conn == NULL)
+		rl_raise(&failure);
 	/* <prefix>*:{<identity>}* with the key's own bytes escaped */
 	initStringInfo(&pattern);
 	rl_append_glob_escaped(&pattern, key->data, prefix_len);
@@ -268,16 +272,22 @@ rl_reset(PG_FUNCTION_ARGS)
 PG_FUNCTION_INFO_V1(rl_redis_ping);
 
 /*
- * rl_redis_ping(): checks the connection and returns the server and the
- * round-trip time of one PING on the (already open) connection.
+ * rl_redis_ping(): checks the connections and returns the servers (in
+ * cluster mode every master, joined with ", "; in sentinel mode the
+ * master) and the longest round-trip time of one PING on an (already open)
+ * connection.
  */
 Datum
 rl_redis_ping(PG_FUNCTION_ARGS)
 {
 	const char *argv[1] = {"PING"};
 	size_t		argvlen[1] = {4};
-	RlConn	   *conn = rl_conn_get();
-	TimestampTz start;
+	RlConn	  **conns;
+	RlFailure	failure;
+	int			n;
+	int			i;
+	double		worst = 0;
+	StringInfoData servers;
 	TupleDesc	tupdesc;
 	Datum		values[2];
 	bool		nulls[2] = {false, false};
@@ -286,12 +296,24 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 		elog(ERROR, "return type must be a row type");
 	tupdesc = BlessTupleDesc(tupdesc);
 
-	rl_conn_reset_breaker(conn);	/* an explicit check always tries */
-	rl_admin_command(conn, 1, argv, argvlen);	/* connects if needed */
-	start = GetCurrentTimestamp();
-	rl_admin_command(conn, 1, argv, argvlen);
+	n = rl_route_all(&conns, &failure);
+	if (n < 0)
+		rl_raise(&failure);
+	initStringInfo(&servers);
+	for (i = 0; i < n; i++)
+	{
+		TimestampTz start;
 
-	values[0] = CStringGetTextDatum(rl_conn_name(conn));
-	values[1] = Float8GetDatum((GetCurrentTimestamp() - start) / 1000.0);
+		rl_conn_reset_breaker(conns[i]);	/* an explicit check always tries */
+		rl_admin_command(conns[i], 1, argv, argvlen);	/* connects if needed */
+		start = GetCurrentTimestamp();
+		rl_admin_command(conns[i], 1, argv, argvlen);
+		worst = Max(worst, (GetCurrentTimestamp() - start) / 1000.0);
+		appendStringInfo(&servers, "%s%s", i > 0 ? ", " : "",
+						 rl_conn_name(conns[i]));
+	}
+
+	values[0] = CStringGetTextDatum(servers.data);
+	values[1] = Float8GetDatum(worst);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
 }

@@ -17,6 +17,7 @@
  */
 #include "postgres.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <sys/stat.h>
@@ -48,6 +49,10 @@ char	   *rl_tls_ca_file = NULL;
 char	   *rl_tls_cert_file = NULL;
 char	   *rl_tls_key_file = NULL;
 char	   *rl_tls_server_name = NULL;
+int			rl_mode = RL_MODE_STANDALONE;
+char	   *rl_nodes = NULL;
+char	   *rl_sentinel_master = NULL;
+char	   *rl_sentinel_password = NULL;
 
 /* set whenever a connection setting is assigned; the transport reconnects */
 bool		rl_connection_settings_changed = false;
@@ -56,6 +61,13 @@ static const struct config_enum_entry on_error_options[] = {
 	{"error", RL_ON_ERROR_ERROR, false},
 	{"allow", RL_ON_ERROR_ALLOW, false},
 	{"deny", RL_ON_ERROR_DENY, false},
+	{NULL, 0, false}
+};
+
+static const struct config_enum_entry mode_options[] = {
+	{"standalone", RL_MODE_STANDALONE, false},
+	{"cluster", RL_MODE_CLUSTER, false},
+	{"sentinel", RL_MODE_SENTINEL, false},
 	{NULL, 0, false}
 };
 
@@ -256,6 +268,95 @@ done:
 	return ok;
 }
 
+/*
+ * Parses one "host:port" of rl_redis.nodes (len bytes at s; an IPv6 address
+ * in brackets, "[::1]:6379") into host (RL_ADDRESS_LEN bytes) and *port;
+ * false when it is not of that form.
+ */
+bool
+rl_parse_node(const char *s, size_t len, char *host, int *port)
+{
+	const char *colon = NULL;
+	size_t		hlen;
+	size_t		plen;
+	char		num[8];
+	char	   *end;
+	long		p;
+
+	while (len > 0 && (s[0] == ' ' || s[0] == '\t'))
+		s++, len--;
+	while (len > 0 && (s[len - 1] == ' ' || s[len - 1] == '\t'))
+		len--;
+	for (hlen = len; hlen > 0; hlen--)
+		if (s[hlen - 1] == ':')
+		{
+			colon = s + hlen - 1;
+			break;
+		}
+	if (colon == NULL || colon == s)
+		return false;
+	hlen = colon - s;
+	plen = len - hlen - 1;
+	if (s[0] == '[')
+	{
+		if (hlen < 3 || s[hlen - 1] != ']')
+			return false;
+		s++;
+		hlen -= 2;
+	}
+	if (hlen >= RL_ADDRESS_LEN - 8 || plen == 0 || plen >= sizeof(num))
+		return false;
+	memcpy(num, colon + 1, plen);
+	num[plen] = '\0';
+	errno = 0;
+	p = strtol(num, &end, 10);
+	if (*end != '\0' || errno != 0 || p < 1 || p > 65535)
+		return false;
+	memcpy(host, s, hlen);
+	host[hlen] = '\0';
+	*port = (int) p;
+	return true;
+}
+
+/* Accepts rl_redis.nodes: empty, or "host:port" items separated by commas. */
+static bool
+check_nodes(char **newval, void **extra, GucSource source)
+{
+	const char *p = *newval;
+	int			count = 0;
+
+	if (p == NULL || p[0] == '\0')
+		return true;
+	for (;;)
+	{
+		const char *comma = strchr(p, ',');
+		size_t		len = comma ? (size_t) (comma - p) : strlen(p);
+		char		host[RL_ADDRESS_LEN];
+		int			port;
+
+		if (!rl_parse_node(p, len, host, &port))
+		{
+			GUC_check_errdetail("\"%.*s\" is not of the form host:port.", (int) len, p);
+			return false;
+		}
+		if (++count > RL_MAX_SEEDS)
+		{
+			GUC_check_errdetail("rl_redis.nodes may name at most %d nodes.", RL_MAX_SEEDS);
+			return false;
+		}
+		if (comma == NULL)
+			return true;
+		p = comma + 1;
+	}
+}
+
+/* Same as assign_connection_string, for rl_redis.mode. */
+static void
+assign_connection_enum(int newval, void *extra)
+{
+	rl_connection_settings_changed = true;
+}
+
 /* Keeps rl_redis.key_prefix free of bytes that make keys hard to handle. */
 static bool
 check_key_prefix(char **newval, void **extra, GucSource source)
@@ -384,6 +485,43 @@ rl_define_gucs(void)
 							   PGC_SUSET,
 							   0,
 							   NULL, assign_connection_string, NULL);
+
+	DefineCustomEnumVariable("rl_redis.mode",
+							 "How the Redis servers are organised: standalone, cluster or sentinel.",
+							 "standalone: one server, rl_redis.host and rl_redis.port; cluster: a Redis Cluster whose nodes rl_redis.nodes names; sentinel: the master that the sentinels in rl_redis.nodes report for rl_redis.sentinel_master.",
+							 &rl_mode,
+							 RL_MODE_STANDALONE,
+							 mode_options,
+							 PGC_SUSET,
+							 0,
+							 NULL, assign_connection_enum, NULL);
+
+	DefineCustomStringVariable("rl_redis.nodes",
+							   "Comma-separated host:port list: cluster nodes to learn the slot map from, or the sentinels.",
+							   "Empty uses rl_redis.host and rl_redis.port as the one seed.",
+							   &rl_nodes,
+							   "",
+							   PGC_SUSET,
+							   0,
+							   check_nodes, assign_connection_string, NULL);
+
+	DefineCustomStringVariable("rl_redis.sentinel_master",
+							   "Name of the master the sentinels are asked about (rl_redis.mode = sentinel).",
+							   NULL,
+							   &rl_sentinel_master,
+							   "",
+							   PGC_SUSET,
+							   0,
+							   NULL, assign_connection_string, NULL);
+
+	DefineCustomStringVariable("rl_redis.sentinel_password",
+							   "Password sent with AUTH to the sentinels.",
+							   "Empty means no AUTH to the sentinels; the Redis nodes get rl_redis.password.",
+							   &rl_sentinel_password,
+							   "",
+							   PGC_SUSET,
+							   GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
+							   check_password, assign_connection_string, NULL);
 
 	DefineCustomIntVariable("rl_redis.database",
 							"Redis logical database number (SELECT).",

@@ -83,12 +83,16 @@ static uint32 backend_tag = 0;
 /* the scopes argument of the last call, "id1,id2,..." */
 static StringInfoData scopes_arg;
 
-/* True when refund_on_abort covers charges made by a guard (or not). */
+/*
+ * True when a charge made by whom is given back on abort: as
+ * refund_on_abort says for guards and other calls; always for a charge of a
+ * call split across cluster slots, whose all-or-nothing rests on it.
+ */
 static bool
-rl_refund_wanted(bool by_guard)
+rl_refund_wanted(RlChargeBy by)
 {
-	return rl_refund_on_abort == RL_REFUND_ALL ||
-		(by_guard && rl_refund_on_abort == RL_REFUND_GUARDS);
+	return by == RL_BY_SPLIT || rl_refund_on_abort == RL_REFUND_ALL ||
+		(by == RL_BY_GUARD && rl_refund_on_abort == RL_REFUND_GUARDS);
 }
 
 /* dynahash support for RlKeyRef keys */
@@ -161,13 +165,13 @@ rl_scopes_ensure(void)
  * be refunded.
  */
 const char *
-rl_refund_scopes(bool by_guard)
+rl_refund_scopes(RlChargeBy by)
 {
 	RlScope    *s;
 	int			n = 0;
 	const char *ids[RL_MAX_SCOPE_DEPTH];
 
-	if (!rl_refund_wanted(by_guard) || !IsTransactionState())
+	if (!rl_refund_wanted(by) || !IsTransactionState())
 		return "";
 	rl_scopes_ensure();
 	if (scopes_arg.data == NULL)
@@ -289,11 +293,11 @@ rl_pending_entry(RlScope *scope, const char *key, int keylen,
  */
 void
 rl_remember_charge(const RlLimit *limit, StringInfo key, int32 cost,
-				   int64 stamp_us, int64 epoch, bool by_guard)
+				   int64 stamp_us, int64 epoch, RlChargeBy by)
 {
 	RlPending  *p;
 
-	if (cost <= 0 || !rl_refund_wanted(by_guard) || !IsTransactionState())
+	if (cost <= 0 || !rl_refund_wanted(by) || !IsTransactionState())
 		return;
 	rl_scopes_ensure();
 	p = rl_pending_entry(innermost, key->data, key->len, limit);
@@ -342,6 +346,7 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	char		now_s[24];
 	int			i = RL_SCRIPT_ARGV_RESERVED;
 	int			j;
+	RlConn	   *conn;
 
 	argv[i] = num;
 	argvlen[i++] = pg_ltoa(n, num);
@@ -393,15 +398,39 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	argvlen[0] = 4;
 	argv[1] = script->body;
 	argvlen[1] = strlen(script->body);
-	rl_defer_command(rl_conn_current(), argc, argv, argvlen, idempotent);
+	conn = rl_route_known(list[0]->key.data, list[0]->key.len);
+	if (conn != NULL)
+		rl_defer_command(conn, argc, argv, argvlen, idempotent);
+	else
+		ereport(WARNING,
+				(errmsg("rate-limit units of a rolled-back transaction could not be given back: the Redis node of their keys is not known")));
 	pfree(argv);
 	pfree(argvlen);
 	pfree(numbers);
 }
 
+/* One scope entry and the cluster slot of its key, to sort by slot. */
+typedef struct RlSlotted
+{
+	int			slot;
+	RlPending  *p;
+} RlSlotted;
+
+/* qsort order of RlSlotted: by slot */
+static int
+rl_slotted_cmp(const void *a, const void *b)
+{
+	int			x = ((const RlSlotted *) a)->slot;
+	int			y = ((const RlSlotted *) b)->slot;
+
+	return (x > y) - (x < y);
+}
+
 /*
  * Queues the script calls for the scope's entries that rl_scope_wants, at
- * most RL_REFUND_BATCH keys each, so that no one call holds Redis long.
+ * most RL_REFUND_BATCH keys each, so that no one call holds Redis long, and
+ * in cluster mode the keys of one slot each (a script's keys must share
+ * one), on the connection their charges went to.
  */
 static void
 rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
@@ -410,8 +439,10 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 	HASH_SEQ_STATUS seq;
 	RlPending  *p;
 	RlPending **list;
+	RlSlotted  *slotted;
 	long		n = 0;
 	long		j;
+	long		batch;
 	StringInfoData parents;
 	RlScope    *s;
 	MemoryContext old;
@@ -419,11 +450,19 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 	if (scope->keys == NULL)
 		return;
 	old = MemoryContextSwitchTo(scope->cxt);
-	list = palloc(sizeof(RlPending *) * (hash_get_num_entries(scope->keys) + 1));
+	slotted = palloc(sizeof(RlSlotted) * (hash_get_num_entries(scope->keys) + 1));
 	hash_seq_init(&seq, scope->keys);
 	while ((p = hash_seq_search(&seq)) != NULL)
 		if (rl_scope_wants(p, refund, idempotent))
-			list[n++] = p;
+		{
+			slotted[n].slot = rl_route_slot(p->key.data, p->key.len);
+			slotted[n++].p = p;
+		}
+	if (n > 1)
+		qsort(slotted, n, sizeof(RlSlotted), rl_slotted_cmp);
+	list = palloc(sizeof(RlPending *) * (n + 1));
+	for (j = 0; j < n; j++)
+		list[j] = slotted[j].p;
 	initStringInfo(&parents);
 	for (s = scope->parent; s != NULL; s = s->parent)
 	{
@@ -431,10 +470,17 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 			appendStringInfoChar(&parents, ',');
 		appendStringInfoString(&parents, s->id);
 	}
-	for (j = 0; j < n; j += RL_REFUND_BATCH)
+	for (j = 0; j < n; j += batch)
+	{
+		/* the run of keys of one slot, at most RL_REFUND_BATCH */
+		for (batch = 1; j + batch < n && batch < RL_REFUND_BATCH &&
+			 slotted[j + batch].slot == slotted[j].slot; batch++)
+			;
 		rl_scope_queue_batch(scope, script, refund, idempotent, list + j,
-							 (int) Min(RL_REFUND_BATCH, n - j), parents.data);
+							 (int) batch, parents.data);
+	}
 	pfree(list);
+	pfree(slotted);
 	pfree(parents.data);
 	MemoryContextSwitchTo(old);
 }

@@ -14,10 +14,13 @@
  *                    open, TLS, handshake) and transaction-end queues
  * src/scripts.c      the algorithms and the Lua script registry (EVALSHA,
  *                    reload on NOSCRIPT), the scripts' shared arguments
+ * src/router.c       where a key goes by rl_redis.mode: the one server, the
+ *                    master of its Redis Cluster slot (MOVED, ASK,
+ *                    TRYAGAIN), or the master the sentinels name
  * src/refund.c       giving back what an aborted (sub)transaction took
  * src/engine.c       the decision engine: arguments, keys, script call,
- *                    reply, rl_result, on_error; routes each call to a
- *                    connection (for now the configured server's)
+ *                    reply, rl_result, on_error; a several-keys call is
+ *                    split per cluster slot
  * src/policy.c       named policies (rl_policy) and several limits at once
  * src/concurrency.c  concurrency limits (slots held by a transaction)
  * src/guard.c        trigger functions that rate-limit writes
@@ -46,6 +49,14 @@ typedef enum RlOnError
 	RL_ON_ERROR_ALLOW,
 	RL_ON_ERROR_DENY
 } RlOnError;
+
+/* rl_redis.mode */
+typedef enum RlMode
+{
+	RL_MODE_STANDALONE,
+	RL_MODE_CLUSTER,
+	RL_MODE_SENTINEL
+} RlMode;
 
 /* rl_redis.refund_on_abort */
 typedef enum RlRefundOnAbort
@@ -108,10 +119,21 @@ extern char *rl_tls_ca_file;
 extern char *rl_tls_cert_file;
 extern char *rl_tls_key_file;
 extern char *rl_tls_server_name;
+extern int	rl_mode;
+extern char *rl_nodes;
+extern char *rl_sentinel_master;
+extern char *rl_sentinel_password;
 extern bool rl_connection_settings_changed;
+
+/* the longest server address: "host:port" or a socket path */
+#define RL_ADDRESS_LEN 300
+
+/* the most host:port items rl_redis.nodes may name */
+#define RL_MAX_SEEDS 64
 
 extern void rl_define_gucs(void);
 extern bool rl_read_password(char *buf, size_t size, char *err, size_t errsize);
+extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
 
 /*
  * Why a Redis call failed, for the caller to raise as an error or to log as
@@ -148,8 +170,8 @@ typedef struct RlTls
 /* an I/O call that must wait for the socket (what for: *want) */
 #define RL_IO_WAIT (-2)
 
-extern bool rl_tls_setup(RlTls *tls, pgsocket sock, const char *server,
-						 RlFailure *failure);
+extern bool rl_tls_setup(RlTls *tls, pgsocket sock, const char *host,
+						 const char *server, RlFailure *failure);
 extern int	rl_tls_handshake(RlTls *tls, uint32 *want, char *errbuf,
 							 size_t errsize);
 extern ssize_t rl_tls_write(RlTls *tls, const char *buf, size_t len,
@@ -163,11 +185,21 @@ extern void rl_tls_free(RlTls *tls);
 /* connections and the transaction-end queue (transport.c) */
 typedef struct RlConn RlConn;
 
-/* the longest server address: "host:port" or a socket path */
-#define RL_ADDRESS_LEN 300
+/* What a connection is to: what its set-up sends and checks. */
+typedef enum RlConnKind
+{
+	RL_CONN_SERVER,				/* a Redis server or cluster node: AUTH,
+								 * SELECT */
+	RL_CONN_MASTER,				/* the master a sentinel named: AUTH,
+								 * SELECT, and ROLE must say master */
+	RL_CONN_SENTINEL			/* a sentinel: AUTH with sentinel_password */
+} RlConnKind;
 
 extern void rl_transport_init(void);
 extern RlConn *rl_conn_get(void);
+extern RlConn *rl_conn_at(const char *host, int port, RlConnKind kind);
+extern void rl_servers_changed(const char *why);
+extern void rl_conn_hand_over(RlConn *from, RlConn *to);
 extern RlConn *rl_conn_current(void);
 extern const char *rl_conn_name(RlConn *conn);
 extern void rl_conn_reset_breaker(RlConn *conn);
@@ -176,6 +208,7 @@ extern redisReply *rl_command(RlConn *conn, int argc, const char **argv,
 extern void rl_defer_command(RlConn *conn, int argc, const char **argv,
 							 const size_t *argvlen, bool idempotent);
 extern uint64 rl_server_generation(void);
+extern uint64 rl_settings_version(void);
 extern bool rl_command_was_sent(RlConn *conn);
 
 /* scripts and algorithms (scripts.c) */
@@ -218,7 +251,21 @@ extern const RlScript rl_script_concurrency;
 extern redisReply *rl_run_script(RlConn *conn, const RlScript *script,
 								 int argc, const char **argv, size_t *argvlen,
 								 RlFailure *failure);
+extern redisReply *rl_run_script_asking(RlConn *conn, const RlScript *script,
+										int argc, const char **argv,
+										size_t *argvlen, RlFailure *failure);
 extern size_t rl_clock_arg(char *buf);
+
+/* where a key goes, by rl_redis.mode (router.c) */
+extern int	rl_key_slot(const char *key, size_t len);
+extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
+extern RlConn *rl_route_known(const char *key, size_t keylen);
+extern int	rl_route_slot(const char *key, size_t keylen);
+extern int	rl_route_all(RlConn ***conns, RlFailure *failure);
+extern redisReply *rl_call(const char *key, size_t keylen,
+						   const RlScript *script, int argc, const char **argv,
+						   size_t *argvlen, RlConn **connp,
+						   RlFailure *failure);
 
 /* the decision engine (engine.c) */
 /* One decision, as the scripts return it. */
@@ -285,7 +332,6 @@ typedef struct RlCharge
 	int64		epoch;			/* filled in: the key's epoch */
 } RlCharge;
 
-extern RlConn *rl_route(const char *key, size_t keylen);
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
@@ -312,11 +358,20 @@ extern RlPolicy rl_policy_arg(FunctionCallInfo fcinfo, int argno);
 extern RlLimit rl_policy_find(FunctionCallInfo fcinfo, const char *name);
 
 /* refunds on abort (refund.c) */
+
+/* Who made a charge, for rl_redis.refund_on_abort. */
+typedef enum RlChargeBy
+{
+	RL_BY_CALL,					/* a decision function */
+	RL_BY_GUARD,				/* rl_guard or rl_guard_statement */
+	RL_BY_SPLIT					/* a call split across cluster slots */
+} RlChargeBy;
+
 extern void rl_refund_init(void);
-extern const char *rl_refund_scopes(bool by_guard);
+extern const char *rl_refund_scopes(RlChargeBy by);
 extern void rl_remember_charge(const RlLimit *limit, StringInfo key,
 							   int32 cost, int64 stamp_us, int64 epoch,
-							   bool by_guard);
+							   RlChargeBy by);
 
 /* concurrency limits (concurrency.c) */
 extern void rl_concurrency_init(void);

@@ -59,6 +59,29 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 	return rl_command(conn, argc, argv, argvlen, failure);
 }
 
+/*
+ * Runs script on conn for a key that Redis Cluster is moving there (an ASK
+ * redirection): ASKING, then the call as EVAL, which needs no loaded script
+ * (after a NOSCRIPT the ASKING would be spent). Returns as rl_run_script.
+ */
+redisReply *
+rl_run_script_asking(RlConn *conn, const RlScript *script, int argc,
+					 const char **argv, size_t *argvlen, RlFailure *failure)
+{
+	const char *asking[1] = {"ASKING"};
+	size_t		askinglen[1] = {6};
+	redisReply *reply = rl_command(conn, 1, asking, askinglen, failure);
+
+	if (reply == NULL || reply->type == REDIS_REPLY_ERROR)
+		return reply;
+	freeReplyObject(reply);
+	argv[0] = "EVAL";
+	argvlen[0] = 4;
+	argv[1] = script->body;
+	argvlen[1] = strlen(script->body);
+	return rl_command(conn, argc, argv, argvlen, failure);
+}
+
 /* Writes the scripts' clock argument into buf: the test clock, or "". */
 size_t
 rl_clock_arg(char *buf)

@@ -67,14 +67,15 @@ rl_tls_result(RlTls *tls, int r, uint32 *want, char *errbuf, size_t errsize)
 /*
  * Sets up TLS on the connected socket sock of server: the server's
  * certificate is checked against rl_redis.tls_ca_file (or the system's CAs)
- * and its name against rl_redis.tls_server_name (or rl_redis.host). False,
+ * and its name against rl_redis.tls_server_name (or host, the name the
+ * connection was made to). False,
  * with failure filled in, on error; rl_tls_free frees what was made.
  */
 bool
-rl_tls_setup(RlTls *tls, pgsocket sock, const char *server,
+rl_tls_setup(RlTls *tls, pgsocket sock, const char *host, const char *server,
 			 RlFailure *failure)
 {
-	const char *name = rl_tls_server_name[0] ? rl_tls_server_name : rl_host;
+	const char *name = rl_tls_server_name[0] ? rl_tls_server_name : host;
 	unsigned char addr[sizeof(struct in6_addr)];
 	bool		is_ip = inet_pton(AF_INET, name, addr) == 1 ||
 		inet_pton(AF_INET6, name, addr) == 1;

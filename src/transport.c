@@ -82,9 +82,13 @@
  */
 struct RlConn
 {
-	char		address[RL_ADDRESS_LEN];	/* hash key: "host:port" or the
-											 * socket path; also its name in
-											 * messages */
+	/* the hash key (an RlConnKey): the address and the kind */
+	char		address[RL_ADDRESS_LEN];	/* "host:port" or the socket path;
+											 * also its name in messages */
+	RlConnKind	kind;
+	char		host[RL_ADDRESS_LEN];	/* host name, address or socket path */
+	int			port;
+	uint64		settings_seen;	/* settings_version when last compared */
 	pgsocket	sock;			/* PGINVALID_SOCKET when there is none */
 	bool		fd_acquired;	/* we hold an external-FD slot for sock */
 	WaitEventSet *wes;			/* MyLatch, postmaster death, sock */
@@ -123,7 +127,18 @@ struct RlConn
 	struct RlConn *next;		/* the next entry of conn_list */
 };
 
-/* the connections of this backend, by address (of RlConn) */
+/* The hash key of conn_cache: the first fields of RlConn. */
+typedef struct RlConnKey
+{
+	char		address[RL_ADDRESS_LEN];
+	RlConnKind	kind;
+} RlConnKey;
+
+StaticAssertDecl(offsetof(RlConn, kind) == offsetof(RlConnKey, kind) &&
+				 offsetof(RlConn, host) >= sizeof(RlConnKey),
+				 "RlConnKey must be the first fields of RlConn");
+
+/* the connections of this backend, by address and kind (of RlConn) */
 static HTAB *conn_cache = NULL;
 
 /* the connection of the configured server, as of the last rl_conn_get */
@@ -149,6 +164,12 @@ static StringInfoData out;
 /* counts the changes of server (connection settings) */
 static uint64 server_generation = 1;
 
+/* counts the assignments of connection settings (see rl_settings_version) */
+static uint64 settings_version = 1;
+
+/* the settings_version of the last rl_conn_get */
+static uint64 current_seen = 0;
+
 /* the most a transaction end waits on Redis */
 #define RL_XACT_END_BUDGET_MS 1000
 
@@ -158,6 +179,9 @@ static char inbuf[16384];
 static void rl_transport_exit(int code, Datum arg);
 static void rl_discard_queue(RlConn *conn, const char *why);
 static void rl_queue_unconfirmed(RlConn *conn);
+static void rl_queue_push(RlConn *conn, int argc, const char **argv,
+						  const size_t *argvlen, const char *encoded,
+						  size_t len, bool idempotent);
 
 /* Closes the socket and frees everything that belongs to the connection. */
 static void
@@ -202,6 +226,22 @@ rl_server_generation(void)
 	return server_generation;
 }
 
+/*
+ * A number that changes whenever a connection setting was assigned (the
+ * value may be the same): each connection, and the router, compare the
+ * settings again when it changed since they last looked.
+ */
+uint64
+rl_settings_version(void)
+{
+	if (rl_connection_settings_changed)
+	{
+		rl_connection_settings_changed = false;
+		settings_version++;
+	}
+	return settings_version;
+}
+
 /* The server of a connection, for messages: "host:port" or the socket path. */
 const char *
 rl_conn_name(RlConn *conn)
@@ -209,29 +249,32 @@ rl_conn_name(RlConn *conn)
 	return conn->address;
 }
 
-/* Writes the configured server's address (rl_redis.host, port) into buf. */
-static void
-rl_configured_address(char *buf)
-{
-	if (rl_host[0] == '/')
-		snprintf(buf, RL_ADDRESS_LEN, "%s", rl_host);
-	else
-		snprintf(buf, RL_ADDRESS_LEN, "%s:%d", rl_host, rl_port);
-}
-
-/*
- * Returns the cache entry of the server at address, creating it (not
- * connected) when there is none.
- */
 /*
  * Every entry of conn_cache, linked: the transaction-end callbacks walk
  * this list, as a hash_seq scan there could raise.
  */
 static RlConn *conn_list = NULL;
 
-static RlConn *
-rl_conn_lookup(const char *address)
+/* Writes the address of host and port into buf: "host:port" or the path. */
+static void
+rl_format_address(char *buf, const char *host, int port)
 {
+	if (host[0] == '/')
+		snprintf(buf, RL_ADDRESS_LEN, "%s", host);
+	else if (strchr(host, ':') != NULL)
+		snprintf(buf, RL_ADDRESS_LEN, "[%s]:%d", host, port);
+	else
+		snprintf(buf, RL_ADDRESS_LEN, "%s:%d", host, port);
+}
+
+/*
+ * Returns the cache entry of the server at host and port for kind, creating
+ * it (not connected) when there is none. Does no I/O.
+ */
+static RlConn *
+rl_conn_lookup(const char *host, int port, RlConnKind kind)
+{
+	RlConnKey	key;
 	RlConn	   *conn;
 	bool		found;
 
@@ -239,26 +282,58 @@ rl_conn_lookup(const char *address)
 	{
 		HASHCTL		ctl;
 
-		ctl.keysize = RL_ADDRESS_LEN;
+		ctl.keysize = sizeof(RlConnKey);
 		ctl.entrysize = sizeof(RlConn);
 		ctl.hcxt = TopMemoryContext;
 		conn_cache = hash_create("rl_redis connections", 8, &ctl,
-								 HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
+								 HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 	}
-	conn = hash_search(conn_cache, address, HASH_ENTER, &found);
+	memset(&key, 0, sizeof(key));
+	rl_format_address(key.address, host, port);
+	key.kind = kind;
+	conn = hash_search(conn_cache, &key, HASH_ENTER, &found);
 	if (!found)
 	{
-		char		key[RL_ADDRESS_LEN];
-
 		/* everything but the key starts zeroed */
-		memcpy(key, conn->address, RL_ADDRESS_LEN);
-		memset(conn, 0, sizeof(RlConn));
-		memcpy(conn->address, key, RL_ADDRESS_LEN);
+		memset((char *) conn + sizeof(RlConnKey), 0,
+			   sizeof(RlConn) - sizeof(RlConnKey));
+		strlcpy(conn->host, host, RL_ADDRESS_LEN);
+		conn->port = port;
 		conn->sock = PGINVALID_SOCKET;
 		conn->next = conn_list;
 		conn_list = conn;
 	}
 	return conn;
+}
+
+/*
+ * Returns the connection to the server at host and port for kind (a
+ * cluster node, a master a sentinel named, a sentinel), which may not be
+ * open yet (rl_command opens it). Does no I/O.
+ */
+RlConn *
+rl_conn_at(const char *host, int port, RlConnKind kind)
+{
+	return rl_conn_lookup(host, port, kind);
+}
+
+/*
+ * The servers the settings name are others now (rl_redis.mode, nodes or
+ * sentinel_master changed): closes every connection and drops what their
+ * queues hold, with a warning that says why (see rl_server_generation).
+ */
+void
+rl_servers_changed(const char *why)
+{
+	RlConn	   *conn;
+
+	for (conn = conn_list; conn != NULL; conn = conn->next)
+	{
+		rl_disconnect(conn);
+		rl_discard_queue(conn, why);
+	}
+	server_generation++;
+	current = NULL;
 }
 
 /*
@@ -271,13 +346,12 @@ rl_conn_lookup(const char *address)
 RlConn *
 rl_conn_get(void)
 {
-	char		address[RL_ADDRESS_LEN];
 	RlConn	   *conn;
 
-	if (current != NULL && !rl_connection_settings_changed)
+	if (current != NULL && current_seen == rl_settings_version())
 		return current;
-	rl_configured_address(address);
-	conn = rl_conn_lookup(address);
+	current_seen = rl_settings_version();
+	conn = rl_conn_lookup(rl_host, rl_port, RL_CONN_SERVER);
 	if (current != NULL && current != conn)
 	{
 		rl_disconnect(current);
@@ -543,7 +617,8 @@ rl_tls_start(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 {
 	char		errbuf[256];
 
-	if (!rl_tls_setup(&conn->tls, conn->sock, conn->address, failure))
+	if (!rl_tls_setup(&conn->tls, conn->sock, conn->host, conn->address,
+					  failure))
 	{
 		rl_disconnect(conn);
 		return false;
@@ -715,16 +790,52 @@ rl_handshake(RlConn *conn, const char *what, int argc, const char **argv,
 	return true;
 }
 
+/*
+ * Set-up step 4 for the master a sentinel named: ROLE must say "master", so
+ * that a demoted server (a failover the sentinels have not told us about
+ * yet) never gets a write.
+ */
+static bool
+rl_check_master(RlConn *conn, TimestampTz deadline, RlFailure *failure)
+{
+	const char *argv[1] = {"ROLE"};
+	size_t		argvlen[1] = {4};
+	redisReply *reply;
+	char		role[32] = "?";
+
+	resetStringInfo(&out);
+	rl_encode(&out, 1, argv, argvlen);
+	reply = rl_roundtrip(conn, deadline, failure);
+	if (reply == NULL)
+	{
+		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+		return false;
+	}
+	if (reply->type == REDIS_REPLY_ARRAY && reply->elements > 0 &&
+		(reply->element[0]->type == REDIS_REPLY_STRING ||
+		 reply->element[0]->type == REDIS_REPLY_STATUS))
+		snprintf(role, sizeof(role), "%.*s", (int) reply->element[0]->len,
+				 reply->element[0]->str);
+	freeReplyObject(reply);
+	if (strcmp(role, "master") == 0)
+		return true;
+	rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+			"could not connect to Redis at %s: it is not the master (ROLE says \"%s\")",
+			conn->address, role);
+	return false;
+}
+
 /* Writes the current connection settings into buf, to compare. */
 static void
 rl_settings_signature(StringInfo buf)
 {
 	resetStringInfo(buf);
-	appendStringInfo(buf, "%s%c%d%c%s%c%s%c%s%c%d%c%d%c%s%c%s%c%s%c%s",
+	appendStringInfo(buf, "%s%c%d%c%s%c%s%c%s%c%d%c%d%c%s%c%s%c%s%c%s%c%d%c%s%c%s%c%s",
 					 rl_host, 0, rl_port, 0, rl_username, 0, rl_password, 0,
 					 rl_password_file, 0, rl_database, 0, (int) rl_tls, 0,
 					 rl_tls_ca_file, 0, rl_tls_cert_file, 0, rl_tls_key_file, 0,
-					 rl_tls_server_name);
+					 rl_tls_server_name, 0, rl_mode, 0, rl_nodes, 0,
+					 rl_sentinel_master, 0, rl_sentinel_password);
 }
 
 /*
@@ -738,7 +849,6 @@ rl_settings_changed(RlConn *conn)
 	StringInfoData now;
 	bool		changed;
 
-	rl_connection_settings_changed = false;
 	if (!conn->ready)
 		return true;
 	initStringInfo(&now);
@@ -750,7 +860,7 @@ rl_settings_changed(RlConn *conn)
 }
 
 /*
- * Set-up step 1: resolves the configured server, a Unix socket path into
+ * Set-up step 1: resolves conn's server, a Unix socket path into
  * *sun or a host name into conn->pending_addrs (freed by rl_open, or by the
  * next connect when a cancel cut the connect short).
  */
@@ -761,7 +871,7 @@ rl_resolve(RlConn *conn, struct sockaddr_un *sun, RlFailure *failure)
 	char		port[16];
 	int			rc;
 
-	if (rl_host[0] == '/')
+	if (conn->host[0] == '/')
 	{
 		if (rl_tls)
 		{
@@ -770,7 +880,7 @@ rl_resolve(RlConn *conn, struct sockaddr_un *sun, RlFailure *failure)
 					conn->address);
 			return false;
 		}
-		if (strlen(rl_host) >= sizeof(sun->sun_path))
+		if (strlen(conn->host) >= sizeof(sun->sun_path))
 		{
 			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: socket path is too long",
@@ -779,21 +889,21 @@ rl_resolve(RlConn *conn, struct sockaddr_un *sun, RlFailure *failure)
 		}
 		memset(sun, 0, sizeof(*sun));
 		sun->sun_family = AF_UNIX;
-		strcpy(sun->sun_path, rl_host);
+		strcpy(sun->sun_path, conn->host);
 		return true;
 	}
 
 	memset(&hints, 0, sizeof(hints));
 	hints.ai_family = AF_UNSPEC;
 	hints.ai_socktype = SOCK_STREAM;
-	snprintf(port, sizeof(port), "%d", rl_port);
-	rc = getaddrinfo(rl_host, port, &hints, &conn->pending_addrs);
+	snprintf(port, sizeof(port), "%d", conn->port);
+	rc = getaddrinfo(conn->host, port, &hints, &conn->pending_addrs);
 	if (rc != 0)
 	{
 		conn->pending_addrs = NULL;
 		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 				"could not resolve Redis host \"%s\": %s",
-				rl_host, gai_strerror(rc));
+				conn->host, gai_strerror(rc));
 		return false;
 	}
 	return true;
@@ -809,7 +919,7 @@ rl_open(RlConn *conn, struct sockaddr_un *sun, TimestampTz deadline,
 {
 	struct addrinfo *ai;
 
-	if (rl_host[0] == '/')
+	if (conn->host[0] == '/')
 		return rl_open_socket(conn, (struct sockaddr *) sun, sizeof(*sun),
 							  deadline, failure);
 	for (ai = conn->pending_addrs; ai != NULL; ai = ai->ai_next)
@@ -824,8 +934,10 @@ rl_open(RlConn *conn, struct sockaddr_un *sun, TimestampTz deadline,
 
 /*
  * Set-up step 4: makes the connection ready for commands and sends the
- * handshake commands, AUTH (with rl_redis.password or password_file) and
- * SELECT (rl_redis.database).
+ * handshake commands: to a sentinel, AUTH with rl_redis.sentinel_password
+ * when set; to a Redis server, AUTH (with rl_redis.password or
+ * password_file) and SELECT (rl_redis.database), and to the master a
+ * sentinel named, ROLE, which must say it is the master.
  */
 static bool
 rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
@@ -837,6 +949,15 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 		return false;
 	}
 	conn->ready = true;
+
+	if (conn->kind == RL_CONN_SENTINEL)
+	{
+		const char *argv[2] = {"AUTH", rl_sentinel_password};
+		size_t		argvlen[2] = {4, strlen(rl_sentinel_password)};
+
+		return rl_sentinel_password[0] == '\0' ||
+			rl_handshake(conn, "AUTH", 2, argv, argvlen, deadline, failure);
+	}
 
 	{
 		char		password[1024];
@@ -879,6 +1000,8 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 		if (!rl_handshake(conn, "SELECT", 2, argv, argvlen, deadline, failure))
 			return false;
 	}
+	if (conn->kind == RL_CONN_MASTER)
+		return rl_check_master(conn, deadline, failure);
 	return true;
 }
 
@@ -906,7 +1029,7 @@ rl_connect(RlConn *conn, RlFailure *failure)
 		freeaddrinfo(conn->pending_addrs);
 		conn->pending_addrs = NULL;
 	}
-	rl_connection_settings_changed = false;
+	conn->settings_seen = rl_settings_version();
 	if (conn->settings.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -1085,6 +1208,43 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 }
 
 /*
+ * A queued command k of conn got a redirection of Redis Cluster (error,
+ * "MOVED <slot> <host>:<port>" or "ASK ..."): it was not run, so it moves to
+ * the queue of the node named, after ASKING for ASK, and goes with that
+ * node's next command or transaction end. False when error is no
+ * redirection.
+ */
+static bool
+rl_queue_redirect(RlConn *conn, int k, const char *error)
+{
+	bool		ask = strncmp(error, "ASK ", 4) == 0;
+	const char *node;
+	char		host[RL_ADDRESS_LEN];
+	int			port;
+	RlConn	   *target;
+	size_t		from = rl_queue_offset(conn, k);
+
+	if (!ask && strncmp(error, "MOVED ", 6) != 0)
+		return false;
+	node = strchr(error + (ask ? 4 : 6), ' ');
+	if (node == NULL || !rl_parse_node(node + 1, strlen(node + 1), host, &port))
+		return false;
+	target = rl_conn_lookup(host, port, conn->kind);
+	if (target == conn)
+		return false;
+	if (ask)
+	{
+		const char *argv[1] = {"ASKING"};
+		size_t		argvlen[1] = {6};
+
+		rl_queue_push(target, 1, argv, argvlen, NULL, 0, true);
+	}
+	rl_queue_push(target, 0, NULL, NULL, conn->queue.data + from,
+				  conn->queue_ends[k] - from, conn->queue_idempotent[k]);
+	return true;
+}
+
+/*
  * Reads the replies of the queued commands written to the connection and
  * takes those commands off the queue; an error reply is logged. False (with
  * the failure filled in) when the connection failed, or, with patient,
@@ -1106,7 +1266,10 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 		}
 		conn->pending_replies--;
 		conn->queue_confirmed++;
-		if (reply->type == REDIS_REPLY_ERROR)
+		if (reply->type == REDIS_REPLY_ERROR &&
+			rl_queue_redirect(conn, conn->queue_confirmed - 1, reply->str))
+			freeReplyObject(reply);
+		else if (reply->type == REDIS_REPLY_ERROR)
 		{
 			char		text[256];
 
@@ -1136,6 +1299,19 @@ void
 rl_defer_command(RlConn *conn, int argc, const char **argv,
 				 const size_t *argvlen, bool idempotent)
 {
+	rl_queue_push(conn, argc, argv, argvlen, NULL, 0, idempotent);
+}
+
+/*
+ * Appends one command to conn's queue: argv encoded, or (argv NULL) the
+ * len bytes at encoded, already encoded. Beyond RL_MAX_QUEUE bytes waiting
+ * the command is dropped with a warning. Raises only when out of memory.
+ */
+static void
+rl_queue_push(RlConn *conn, int argc, const char **argv,
+			  const size_t *argvlen, const char *encoded, size_t len,
+			  bool idempotent)
+{
 	MemoryContext old;
 
 	rl_queue_trim(conn);
@@ -1163,11 +1339,36 @@ rl_defer_command(RlConn *conn, int argc, const char **argv,
 			repalloc(conn->queue_tries, sizeof(uint8) * conn->queue_max) :
 			palloc(sizeof(uint8) * conn->queue_max);
 	}
-	rl_encode(&conn->queue, argc, argv, argvlen);
+	if (argv != NULL)
+		rl_encode(&conn->queue, argc, argv, argvlen);
+	else
+		appendBinaryStringInfo(&conn->queue, encoded, len);
 	conn->queue_idempotent[conn->queue_count] = idempotent;
 	conn->queue_tries[conn->queue_count] = 0;
 	conn->queue_ends[conn->queue_count++] = conn->queue.len;
 	MemoryContextSwitchTo(old);
+}
+
+/*
+ * The sentinels named another master than from: closes from and moves what
+ * its queue holds to the queue of to, the new master, where the data is
+ * now. (Closing keeps, of the commands written whose replies were not read,
+ * only those that may be sent twice.)
+ */
+void
+rl_conn_hand_over(RlConn *from, RlConn *to)
+{
+	int			k;
+
+	rl_disconnect(from);
+	for (k = 0; k < from->queue_count; k++)
+	{
+		size_t		off = rl_queue_offset(from, k);
+
+		rl_queue_push(to, 0, NULL, NULL, from->queue.data + off,
+					  from->queue_ends[k] - off, from->queue_idempotent[k]);
+	}
+	rl_queue_remove(from, 0, from->queue_count);
 }
 
 /*
@@ -1357,8 +1558,9 @@ rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
 		initStringInfo(&out);
 		MemoryContextSwitchTo(old);
 	}
-	if (rl_connection_settings_changed)
+	if (conn->settings_seen != rl_settings_version())
 	{
+		conn->settings_seen = rl_settings_version();
 		rl_breaker_reset(&conn->breaker);	/* settings were set: try at once */
 		if (rl_settings_changed(conn))
 			conn->ready = false;

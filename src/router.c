@@ -1,0 +1,701 @@
+/*
+ * router.c
+ *	  Which connection a key goes to, by rl_redis.mode, and calls that follow
+ *	  Redis Cluster's redirections and a Sentinel failover.
+ *
+ * standalone: every key goes to the configured server (rl_redis.host,
+ * rl_redis.port), as before there were modes.
+ *
+ * cluster: the slot map (CLUSTER SLOTS) is learnt from the seeds
+ * (rl_redis.nodes, else host:port) and the nodes already known, and a key
+ * goes to the master of its slot (CRC16 of the key or of its hash tag, as
+ * Redis computes it). A MOVED reply updates the slot and asks for a fresh
+ * map; an ASK reply sends ASKING and the call to the node named, the map
+ * unchanged; TRYAGAIN and CLUSTERDOWN are retried with a growing pause
+ * within rl_redis.command_timeout; a READONLY reply or a connection that
+ * failed asks for a fresh map. A fresh map is fetched at most every
+ * RL_REFRESH_MS.
+ *
+ * sentinel: the sentinels (rl_redis.nodes, else host:port) are asked in
+ * order for the address of rl_redis.sentinel_master; the connection to it
+ * checks with ROLE that it is the master before any command (transport.c).
+ * A READONLY reply, a failed connection or a ROLE that is not master makes
+ * the next call ask the sentinels again, and so does a call more than
+ * RL_SENTINEL_RECHECK_MS after they were last asked: a demoted master that
+ * has not learnt it yet would still take writes.
+ *
+ * A call is sent again only when it cannot have run: after a redirection
+ * or a READONLY reply (Redis refused it before running it), or when it
+ * never left (the connection could not be made) and the route now names
+ * another node. A call whose connection was lost after it was written is
+ * never repeated: it may have been applied.
+ */
+#include "postgres.h"
+
+#include "miscadmin.h"
+#include "storage/latch.h"
+#include "utils/memutils.h"
+#include "utils/timestamp.h"
+#include "utils/wait_event.h"
+
+#include "rl_redis.h"
+
+/* the number of hash slots of Redis Cluster */
+#define RL_SLOTS 16384
+
+/* the most redirections, or retries, one call follows */
+#define RL_MAX_REDIRECTS 8
+
+/* the least time between two fetches of the slot map */
+#define RL_REFRESH_MS 100
+
+/*
+ * How often the sentinels are asked again while calls go to the master:
+ * after a failover, the old master may take a while to learn that it is
+ * one no more, and would take writes meanwhile.
+ */
+#define RL_SENTINEL_RECHECK_MS 1000
+
+/* the longest pause between two tries after TRYAGAIN or CLUSTERDOWN */
+#define RL_MAX_BACKOFF_MS 200
+
+/* A cluster node or a seed. */
+typedef struct RlNode
+{
+	char		host[RL_ADDRESS_LEN];
+	int			port;
+	RlConn	   *conn;
+} RlNode;
+
+/* the nodes the slot map names (grows; in TopMemoryContext) */
+static RlNode *nodes = NULL;
+static int	nnodes = 0;
+static int	maxnodes = 0;
+
+/* slot -> index in nodes + 1 (0: no node known); NULL until first needed */
+static uint16 *slot_node = NULL;
+static bool map_loaded = false;
+static bool map_stale = false;
+static TimestampTz map_fetched_at = 0;
+
+/* sentinel mode: the master the sentinels named last */
+static RlConn *master_conn = NULL;
+static bool master_stale = false;
+static TimestampTz master_checked_at = 0;
+
+/* the routing settings as last seen (see rl_router_settings) */
+static uint64 settings_seen = 0;
+static StringInfoData routing;
+
+/* CRC16 (XMODEM) of Redis Cluster's key slots, one byte at a time. */
+static uint16
+rl_crc16(const char *buf, size_t len)
+{
+	uint16		crc = 0;
+	size_t		i;
+	int			bit;
+
+	for (i = 0; i < len; i++)
+	{
+		crc ^= (uint16) ((unsigned char) buf[i]) << 8;
+		for (bit = 0; bit < 8; bit++)
+			crc = (crc & 0x8000) ? (uint16) ((crc << 1) ^ 0x1021) : (uint16) (crc << 1);
+	}
+	return crc;
+}
+
+/*
+ * The hash slot of key, as Redis Cluster computes it: of the part between
+ * the first '{' and the next '}' when that part is not empty, else of the
+ * whole key.
+ */
+int
+rl_key_slot(const char *key, size_t len)
+{
+	const char *open = memchr(key, '{', len);
+
+	if (open != NULL)
+	{
+		const char *close = memchr(open + 1, '}', key + len - open - 1);
+
+		if (close != NULL && close > open + 1)
+			return rl_crc16(open + 1, close - open - 1) & (RL_SLOTS - 1);
+	}
+	return rl_crc16(key, len) & (RL_SLOTS - 1);
+}
+
+/* Forgets the slot map and the master (the servers changed). */
+static void
+rl_router_forget(void)
+{
+	nnodes = 0;
+	if (slot_node != NULL)
+		memset(slot_node, 0, sizeof(uint16) * RL_SLOTS);
+	map_loaded = false;
+	map_stale = false;
+	master_conn = NULL;
+	master_stale = false;
+}
+
+/*
+ * Takes in a change of the routing settings (mode, and the seeds outside
+ * standalone mode): what was known about the old servers is forgotten and
+ * what their queues hold is dropped (rl_servers_changed). In standalone
+ * mode rl_conn_get takes in a change of host or port itself.
+ */
+static void
+rl_router_settings(void)
+{
+	StringInfoData now;
+
+	if (settings_seen == rl_settings_version())
+		return;
+	settings_seen = rl_settings_version();
+	initStringInfo(&now);
+	appendStringInfo(&now, "%d", rl_mode);
+	if (rl_mode != RL_MODE_STANDALONE)
+		appendStringInfo(&now, "%c%s%c%d%c%s%c%s", 0, rl_host, 0, rl_port, 0,
+						 rl_nodes, 0, rl_sentinel_master);
+	if (routing.data == NULL)
+	{
+		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
+
+		initStringInfo(&routing);
+		appendBinaryStringInfo(&routing, now.data, now.len);
+		MemoryContextSwitchTo(old);
+	}
+	else if (now.len != routing.len || memcmp(now.data, routing.data, now.len) != 0)
+	{
+		rl_servers_changed("the connection settings now name other Redis servers");
+		rl_router_forget();
+		resetStringInfo(&routing);
+		appendBinaryStringInfo(&routing, now.data, now.len);
+	}
+	pfree(now.data);
+}
+
+/*
+ * Fills seeds (RL_MAX_SEEDS entries) with rl_redis.nodes, or host and port
+ * when it is empty; returns how many. The check hook made sure they parse.
+ */
+static int
+rl_seeds(RlNode *seeds)
+{
+	const char *p = rl_nodes;
+	int			n = 0;
+
+	if (p == NULL || p[0] == '\0')
+	{
+		strlcpy(seeds[0].host, rl_host, RL_ADDRESS_LEN);
+		seeds[0].port = rl_port;
+		return 1;
+	}
+	while (n < RL_MAX_SEEDS)
+	{
+		const char *comma = strchr(p, ',');
+		size_t		len = comma ? (size_t) (comma - p) : strlen(p);
+
+		if (rl_parse_node(p, len, seeds[n].host, &seeds[n].port))
+			n++;
+		if (comma == NULL)
+			break;
+		p = comma + 1;
+	}
+	return n;
+}
+
+/* Returns the index in nodes of the node at host and port, adding it. */
+static int
+rl_node_index(const char *host, int port)
+{
+	int			i;
+
+	for (i = 0; i < nnodes; i++)
+		if (nodes[i].port == port && strcmp(nodes[i].host, host) == 0)
+			return i;
+	if (nnodes == maxnodes)
+	{
+		int			newmax = Max(16, maxnodes * 2);
+
+		if (nodes == NULL)
+			nodes = MemoryContextAlloc(TopMemoryContext, sizeof(RlNode) * newmax);
+		else
+			nodes = repalloc(nodes, sizeof(RlNode) * newmax);
+		maxnodes = newmax;
+	}
+	strlcpy(nodes[nnodes].host, host, RL_ADDRESS_LEN);
+	nodes[nnodes].port = port;
+	nodes[nnodes].conn = rl_conn_at(host, port, RL_CONN_SERVER);
+	return nnodes++;
+}
+
+/* True when reply is a string (bulk or status) or an integer. */
+static bool
+rl_reply_scalar(const redisReply *reply)
+{
+	return reply->type == REDIS_REPLY_STRING ||
+		reply->type == REDIS_REPLY_STATUS || reply->type == REDIS_REPLY_INTEGER;
+}
+
+/* Returns a reply that rl_reply_scalar accepts as a number (-1 if not one). */
+static long long
+rl_reply_number(const redisReply *reply)
+{
+	char		buf[24];
+	char	   *end;
+	long long	v;
+
+	if (reply->type == REDIS_REPLY_INTEGER)
+		return reply->integer;
+	if (reply->len == 0 || reply->len >= sizeof(buf))
+		return -1;
+	memcpy(buf, reply->str, reply->len);
+	buf[reply->len] = '\0';
+	v = strtoll(buf, &end, 10);
+	return *end == '\0' ? v : -1;
+}
+
+/*
+ * Reads a CLUSTER SLOTS reply from the node at asked_host into the slot
+ * map; false when it is not one (the map is then left as it was).
+ */
+static bool
+rl_read_slots(redisReply *reply, const char *asked_host)
+{
+	uint16	   *map;
+	size_t		i;
+
+	if (reply->type != REDIS_REPLY_ARRAY)
+		return false;
+	map = palloc0(sizeof(uint16) * RL_SLOTS);
+	for (i = 0; i < reply->elements; i++)
+	{
+		redisReply *range = reply->element[i];
+		redisReply *master;
+		long long	from,
+					to,
+					port;
+		char		host[RL_ADDRESS_LEN];
+		int			index;
+		long long	slot;
+
+		if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
+			range->element[0]->type != REDIS_REPLY_INTEGER ||
+			range->element[1]->type != REDIS_REPLY_INTEGER ||
+			range->element[2]->type != REDIS_REPLY_ARRAY ||
+			range->element[2]->elements < 2)
+			goto bad;
+		master = range->element[2];
+		if (!rl_reply_scalar(master->element[0]) ||
+			!rl_reply_scalar(master->element[1]))
+			goto bad;
+		from = range->element[0]->integer;
+		to = range->element[1]->integer;
+		port = rl_reply_number(master->element[1]);
+		if (from < 0 || to >= RL_SLOTS || from > to || port < 1 || port > 65535)
+			goto bad;
+		if (master->element[0]->type == REDIS_REPLY_INTEGER ||
+			master->element[0]->len >= RL_ADDRESS_LEN - 8)
+			goto bad;
+		/* an empty host is the node asked; "?" an unknown endpoint */
+		if (master->element[0]->len == 0)
+			strlcpy(host, asked_host, sizeof(host));
+		else
+			snprintf(host, sizeof(host), "%.*s", (int) master->element[0]->len,
+					 master->element[0]->str);
+		if (strcmp(host, "?") == 0)
+			continue;
+		index = rl_node_index(host, (int) port);
+		for (slot = from; slot <= to; slot++)
+			map[slot] = (uint16) (index + 1);
+	}
+	memcpy(slot_node, map, sizeof(uint16) * RL_SLOTS);
+	pfree(map);
+	return true;
+
+bad:
+	pfree(map);
+	return false;
+}
+
+/*
+ * Fetches the slot map: asks the seeds, then the nodes known, in turn,
+ * until one answers CLUSTER SLOTS. False, with the last failure, when none
+ * does.
+ */
+static bool
+rl_cluster_refresh(RlFailure *failure)
+{
+	RlNode		seeds[RL_MAX_SEEDS];
+	int			nseeds = rl_seeds(seeds);
+	int			known = nnodes;
+	int			i;
+
+	if (slot_node == NULL)
+		slot_node = MemoryContextAllocZero(TopMemoryContext,
+										   sizeof(uint16) * RL_SLOTS);
+	map_fetched_at = GetCurrentTimestamp();
+	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+	failure->first_in_outage = true;
+	snprintf(failure->message, sizeof(failure->message),
+			 "no Redis Cluster node to ask for the slot map");
+	for (i = 0; i < nseeds + known; i++)
+	{
+		const char *argv[2] = {"CLUSTER", "SLOTS"};
+		size_t		argvlen[2] = {7, 5};
+		RlNode	   *node = i < nseeds ? &seeds[i] : &nodes[i - nseeds];
+		RlConn	   *conn = i < nseeds ?
+			rl_conn_at(node->host, node->port, RL_CONN_SERVER) : node->conn;
+		char		host[RL_ADDRESS_LEN];
+		redisReply *reply;
+
+		strlcpy(host, node->host, sizeof(host));
+		reply = rl_command(conn, 2, argv, argvlen, failure);
+		if (reply == NULL)
+			continue;
+		if (reply->type == REDIS_REPLY_ERROR)
+		{
+			rl_error_reply(conn, reply, failure);
+			continue;
+		}
+		if (!rl_read_slots(reply, host))
+		{
+			freeReplyObject(reply);
+			failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
+			snprintf(failure->message, sizeof(failure->message),
+					 "unexpected reply to CLUSTER SLOTS from Redis at %s",
+					 rl_conn_name(conn));
+			continue;
+		}
+		freeReplyObject(reply);
+		map_loaded = true;
+		map_stale = false;
+		return true;
+	}
+	return false;
+}
+
+/*
+ * Asks the sentinels, in order, for the address of rl_redis.sentinel_master
+ * and makes its connection the master's. What the previous master's queue
+ * still holds goes to the new one. False, with the last failure, when no
+ * sentinel names it.
+ */
+static bool
+rl_sentinel_discover(RlFailure *failure)
+{
+	RlNode		seeds[RL_MAX_SEEDS];
+	int			nseeds = rl_seeds(seeds);
+	int			i;
+
+	failure->first_in_outage = true;
+	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+	if (rl_sentinel_master[0] == '\0')
+	{
+		snprintf(failure->message, sizeof(failure->message),
+				 "rl_redis.sentinel_master is not set");
+		return false;
+	}
+	snprintf(failure->message, sizeof(failure->message),
+			 "no sentinel named the master \"%s\"", rl_sentinel_master);
+	for (i = 0; i < nseeds; i++)
+	{
+		const char *argv[3] = {"SENTINEL", "get-master-addr-by-name",
+		rl_sentinel_master};
+		size_t		argvlen[3] = {8, 23, strlen(rl_sentinel_master)};
+		RlConn	   *conn = rl_conn_at(seeds[i].host, seeds[i].port,
+									  RL_CONN_SENTINEL);
+		redisReply *reply = rl_command(conn, 3, argv, argvlen, failure);
+		char		host[RL_ADDRESS_LEN];
+		long long	port;
+		RlConn	   *found;
+
+		if (reply == NULL)
+			continue;
+		if (reply->type == REDIS_REPLY_ERROR)
+		{
+			rl_error_reply(conn, reply, failure);
+			continue;
+		}
+		if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
+			reply->element[0]->type != REDIS_REPLY_STRING ||
+			reply->element[0]->len == 0 ||
+			reply->element[0]->len >= RL_ADDRESS_LEN - 8 ||
+			!rl_reply_scalar(reply->element[1]) ||
+			(port = rl_reply_number(reply->element[1])) < 1 || port > 65535)
+		{
+			failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+			snprintf(failure->message, sizeof(failure->message),
+					 "the sentinel at %s does not know the master \"%s\"",
+					 rl_conn_name(conn), rl_sentinel_master);
+			freeReplyObject(reply);
+			continue;
+		}
+		snprintf(host, sizeof(host), "%.*s", (int) reply->element[0]->len,
+				 reply->element[0]->str);
+		freeReplyObject(reply);
+		found = rl_conn_at(host, (int) port, RL_CONN_MASTER);
+		if (master_conn != NULL && master_conn != found)
+			rl_conn_hand_over(master_conn, found);
+		master_conn = found;
+		master_stale = false;
+		master_checked_at = GetCurrentTimestamp();
+		return true;
+	}
+	return false;
+}
+
+/*
+ * Returns the connection a call on key goes to (not necessarily open yet:
+ * rl_command opens it), or NULL with failure filled in when it cannot be
+ * known: no node answered for the slot map, no sentinel named the master,
+ * no node serves the slot.
+ */
+RlConn *
+rl_route(const char *key, size_t keylen, RlFailure *failure)
+{
+	rl_router_settings();
+	if (rl_mode == RL_MODE_STANDALONE)
+		return rl_conn_get();
+	if (rl_mode == RL_MODE_SENTINEL)
+	{
+		/* a master not failed but not checked lately stays when none answers */
+		if ((master_conn == NULL || master_stale ||
+			 TimestampDifferenceExceeds(master_checked_at, GetCurrentTimestamp(),
+										RL_SENTINEL_RECHECK_MS)) &&
+			!rl_sentinel_discover(failure) &&
+			(master_conn == NULL || master_stale))
+			return NULL;
+		return master_conn;
+	}
+	if (!map_loaded ||
+		(map_stale && TimestampDifferenceExceeds(map_fetched_at,
+												 GetCurrentTimestamp(),
+												 RL_REFRESH_MS)))
+	{
+		if (!rl_cluster_refresh(failure) && !map_loaded)
+			return NULL;
+	}
+	{
+		int			slot = rl_key_slot(key, keylen);
+		int			index = slot_node[slot];
+
+		if (index == 0)
+		{
+			map_stale = true;
+			failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+			failure->first_in_outage = true;
+			snprintf(failure->message, sizeof(failure->message),
+					 "no Redis Cluster node serves hash slot %d", slot);
+			return NULL;
+		}
+		return nodes[index - 1].conn;
+	}
+}
+
+/*
+ * Returns the connection a call on key went to last, for work queued for
+ * a transaction end (a refund, a slot release), or NULL when none is
+ * known. Does no I/O and never raises but for lack of memory.
+ */
+RlConn *
+rl_route_known(const char *key, size_t keylen)
+{
+	if (rl_mode == RL_MODE_STANDALONE)
+		return rl_conn_current();
+	if (rl_mode == RL_MODE_SENTINEL)
+		return master_conn;
+	if (slot_node == NULL || slot_node[rl_key_slot(key, keylen)] == 0)
+		return NULL;
+	return nodes[slot_node[rl_key_slot(key, keylen)] - 1].conn;
+}
+
+/*
+ * The slot of key in cluster mode, else 0: the keys of one call must share
+ * it.
+ */
+int
+rl_route_slot(const char *key, size_t keylen)
+{
+	return rl_mode == RL_MODE_CLUSTER ? rl_key_slot(key, keylen) : 0;
+}
+
+/*
+ * Fills *conns (palloc'd) with every master a call may go to: in cluster
+ * mode each node of the slot map, else the one route. Returns how many, or
+ * -1 with failure filled in.
+ */
+int
+rl_route_all(RlConn ***conns, RlFailure *failure)
+{
+	int			n = 0;
+	int			i;
+	int			slot;
+
+	if (rl_mode != RL_MODE_CLUSTER)
+	{
+		RlConn	   *conn = rl_route("", 0, failure);
+
+		if (conn == NULL)
+			return -1;
+		*conns = palloc(sizeof(RlConn *));
+		(*conns)[0] = conn;
+		return 1;
+	}
+	rl_router_settings();
+	if (!rl_cluster_refresh(failure) && !map_loaded)
+		return -1;
+	*conns = palloc(sizeof(RlConn *) * Max(nnodes, 1));
+	for (i = 0; i < nnodes; i++)
+	{
+		for (slot = 0; slot < RL_SLOTS; slot++)
+			if (slot_node[slot] == i + 1)
+				break;
+		if (slot < RL_SLOTS)
+			(*conns)[n++] = nodes[i].conn;
+	}
+	return n;
+}
+
+/*
+ * The connection conn failed or refused a write: the map or the master may
+ * have changed, so the next route asks again.
+ */
+static void
+rl_route_failed(RlConn *conn)
+{
+	if (rl_mode == RL_MODE_CLUSTER)
+		map_stale = true;
+	else if (rl_mode == RL_MODE_SENTINEL && conn == master_conn)
+		master_stale = true;
+}
+
+/*
+ * Parses a redirection's "<slot> <host>:<port>" (after "MOVED " or "ASK ");
+ * false when it is not of that form.
+ */
+static bool
+rl_parse_redirect(const char *s, int *slot, char *host, int *port)
+{
+	char	   *end;
+	long		v = strtol(s, &end, 10);
+
+	if (end == s || *end != ' ' || v < 0 || v >= RL_SLOTS)
+		return false;
+	*slot = (int) v;
+	return rl_parse_node(end + 1, strlen(end + 1), host, port);
+}
+
+/* Sleeps ms, or less when an interrupt comes (it is serviced). */
+static void
+rl_pause(long ms)
+{
+	(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+					 ms, PG_WAIT_EXTENSION);
+	ResetLatch(MyLatch);
+	CHECK_FOR_INTERRUPTS();
+}
+
+/*
+ * Sends a call on key and returns its reply (the caller frees it; it may be
+ * an error reply), with *connp the connection that answered; NULL with
+ * failure filled in when no answer came. With script, runs it (argv[0] and
+ * argv[1] left for rl_run_script), else sends argv as it is. Follows
+ * redirections and failovers as the file's header says.
+ */
+redisReply *
+rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
+		const char **argv, size_t *argvlen, RlConn **connp,
+		RlFailure *failure)
+{
+	RlConn	   *ask = NULL;
+	int			tries = 0;
+	long		backoff = 10;
+	int			timeout = rl_command_timeout > 0 ? rl_command_timeout : 2000;
+	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+													   timeout);
+
+	for (;;)
+	{
+		RlConn	   *conn = ask ? ask : rl_route(key, keylen, failure);
+		redisReply *reply;
+		char		host[RL_ADDRESS_LEN];
+		int			port;
+		int			slot;
+
+		*connp = conn;
+		if (conn == NULL)
+			return NULL;
+		if (ask != NULL && script != NULL)
+			reply = rl_run_script_asking(conn, script, argc, argv, argvlen, failure);
+		else if (ask != NULL)
+		{
+			const char *asking[1] = {"ASKING"};
+			size_t		askinglen[1] = {6};
+
+			reply = rl_command(conn, 1, asking, askinglen, failure);
+			if (reply != NULL && reply->type != REDIS_REPLY_ERROR)
+			{
+				freeReplyObject(reply);
+				reply = rl_command(conn, argc, argv, argvlen, failure);
+			}
+		}
+		else if (script != NULL)
+			reply = rl_run_script(conn, script, argc, argv, argvlen, failure);
+		else
+			reply = rl_command(conn, argc, argv, argvlen, failure);
+		ask = NULL;
+		if (rl_mode == RL_MODE_STANDALONE || ++tries > RL_MAX_REDIRECTS)
+			return reply;
+
+		if (reply == NULL)
+		{
+			RlFailure	again;
+			RlConn	   *other;
+
+			rl_route_failed(conn);
+			/* sent: it may have run, so never again; else try a new route */
+			if (rl_command_was_sent(conn))
+				return NULL;
+			other = rl_route(key, keylen, &again);
+			if (other == NULL || other == conn)
+				return NULL;
+			continue;
+		}
+		if (reply->type != REDIS_REPLY_ERROR)
+			return reply;
+
+		if (rl_mode == RL_MODE_CLUSTER && strncmp(reply->str, "MOVED ", 6) == 0 &&
+			rl_parse_redirect(reply->str + 6, &slot, host, &port))
+		{
+			slot_node[slot] = (uint16) (rl_node_index(host, port) + 1);
+			map_stale = true;
+		}
+		else if (rl_mode == RL_MODE_CLUSTER && strncmp(reply->str, "ASK ", 4) == 0 &&
+				 rl_parse_redirect(reply->str + 4, &slot, host, &port))
+			ask = rl_conn_at(host, port, RL_CONN_SERVER);
+		else if (rl_mode == RL_MODE_CLUSTER &&
+				 (strncmp(reply->str, "TRYAGAIN", 8) == 0 ||
+				  strncmp(reply->str, "CLUSTERDOWN", 11) == 0))
+		{
+			long		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+															   deadline);
+
+			if (left <= 0)
+				return reply;
+			if (strncmp(reply->str, "CLUSTERDOWN", 11) == 0)
+				map_stale = true;
+			freeReplyObject(reply);
+			rl_pause(Min(backoff, left));
+			backoff = Min(backoff * 2, RL_MAX_BACKOFF_MS);
+			tries--;			/* bounded by the deadline instead */
+			continue;
+		}
+		else if (strncmp(reply->str, "READONLY", 8) == 0 ||
+				 strstr(reply->str, "READONLY You can't write") != NULL)
+			rl_route_failed(conn);
+		else
+			return reply;
+		freeReplyObject(reply);
+	}
+}
