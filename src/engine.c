@@ -227,35 +227,6 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 }
 
 /*
- * Fills failure from a Redis error reply and frees the reply. A refused
- * authentication is a connection failure (08001); anything else Redis
- * refuses (OOM, READONLY, WRONGTYPE, NOPERM ...) is reported with its text.
- */
-void
-rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
-{
-	failure->first_in_outage = true;
-	/* Redis 7 refuses commands of more than 10 words before AUTH */
-	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
-		strncmp(reply->str, "WRONGPASS", 9) == 0 ||
-		strncmp(reply->str, "ERR Protocol error: unauthenticated", 35) == 0)
-	{
-		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
-		snprintf(failure->message, sizeof(failure->message),
-				 "could not authenticate to Redis at %s: %s",
-				 rl_conn_name(conn), reply->str);
-	}
-	else
-	{
-		failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
-		snprintf(failure->message, sizeof(failure->message),
-				 "Redis at %s returned an error: %s",
-				 rl_conn_name(conn), reply->str);
-	}
-	freeReplyObject(reply);
-}
-
-/*
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not the integers the scripts return: the
  * decision, its clock and the key's epoch, or, with charges (a
@@ -324,9 +295,9 @@ bad:
 /*
  * Decides n charges that share one cluster slot in one script call: applied
  * to all or to none. Fills d with the most restrictive result and *index
- * with its charge, and remembers allowed charges for a refund on abort (by:
- * who made them). False, with failure filled in, when Redis gave no
- * decision.
+ * with its charge (and each charge's clock and epoch). The charges carry
+ * the refund scopes that by (who makes them) is given. False, with failure
+ * filled in, when Redis gave no decision.
  */
 static bool
 rl_decide_group(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
@@ -385,11 +356,18 @@ rl_decide_group(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 	pfree(numbers);
 	ok = reply != NULL &&
 		rl_parse_decision(conn, reply, d, charges, n, index, failure);
-	if (ok && d->allowed)
-		for (j = 0; j < n; j++)
-			rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
-							   charges[j].stamp_us, charges[j].epoch, by);
 	return ok;
+}
+
+/* Remembers n allowed charges for a refund on abort (by: who made them). */
+static void
+rl_remember_charges(RlCharge *charges, int n, RlChargeBy by)
+{
+	int			j;
+
+	for (j = 0; j < n; j++)
+		rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
+						   charges[j].stamp_us, charges[j].epoch, by);
 }
 
 /* A charge and its place in the caller's array, to sort by slot. */
@@ -450,7 +428,9 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	RlSlotCharge *order;
 	RlCharge   *group;
 	bool		found = false;
+	bool		ok = true;
 	int			j;
+	int			k;
 	int			size;
 
 	for (j = 1; j < n; j++)
@@ -458,7 +438,13 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 			rl_route_slot(charges[0].key->data, charges[0].key->len))
 			break;
 	if (j >= n)
-		return rl_decide_group(charges, n, by, d, index, failure);
+	{
+		if (!rl_decide_group(charges, n, by, d, index, failure))
+			return false;
+		if (d->allowed)
+			rl_remember_charges(charges, n, by);
+		return true;
+	}
 
 	order = palloc(sizeof(RlSlotCharge) * n);
 	for (j = 0; j < n; j++)
@@ -472,35 +458,43 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	{
 		RlDecision	gd;
 		int			gi;
-		int			k;
 
 		for (size = 1; j + size < n && order[j + size].slot == order[j].slot; size++)
 			;
 		for (k = 0; k < size; k++)
 			group[k] = charges[order[j + k].index];
-		if (!rl_decide_group(group, size, RL_BY_SPLIT, &gd, &gi, failure))
-		{
-			pfree(order);
-			pfree(group);
-			return false;
-		}
-		for (k = 0; k < size; k++)
+		ok = rl_decide_group(group, size, RL_BY_SPLIT, &gd, &gi, failure);
+		for (k = 0; ok && k < size; k++)
 		{
 			charges[order[j + k].index].stamp_us = group[k].stamp_us;
 			charges[order[j + k].index].epoch = group[k].epoch;
 		}
-		if (!found || rl_tighter(&gd, d))
+		if (ok && (!found || rl_tighter(&gd, d)))
 		{
 			*d = gd;
 			*index = order[j + gi].index;
 			found = true;
 		}
-		if (!gd.allowed)
+		if (!ok || !gd.allowed)
 			break;
 	}
+
+	/*
+	 * The slots decided before a denial or a failure are given back on the
+	 * abort that follows, whatever refund_on_abort says (their charges were
+	 * made with refund scopes for that); when every slot allowed, the
+	 * charges are remembered as an unsplit call's would be.
+	 */
+	for (k = 0; k < j; k++)
+		rl_remember_charge(charges[order[k].index].limit,
+						   charges[order[k].index].key,
+						   charges[order[k].index].cost,
+						   charges[order[k].index].stamp_us,
+						   charges[order[k].index].epoch,
+						   j < n ? RL_BY_SPLIT : by);
 	pfree(order);
 	pfree(group);
-	return true;
+	return ok;
 }
 
 /*

@@ -244,13 +244,19 @@ rl_reset(PG_FUNCTION_ARGS)
 	text	   *identity = rl_get_identity(fcinfo, 0);
 	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
 	RlFailure	failure;
-	RlConn	   *conn = rl_route(key->data, key->len, &failure);
+	RlConn	  **conns;
+	int			n;
+	int			i;
 	StringInfoData pattern;
 	char		cursor[32] = "0";
 	int			prefix_len = strlen(rl_key_prefix);
 
-	/* every key of the identity shares its hash tag, so its cluster node */
-	if (conn == NULL)
+	/*
+	 * In cluster mode every master is scanned: the keys of the identity
+	 * share a slot, but while it migrates they are on two nodes.
+	 */
+	n = rl_route_all(&conns, &failure);
+	if (n < 0)
 		rl_raise(&failure);
 	/* <prefix>*:{<identity>}* with the key's own bytes escaped */
 	initStringInfo(&pattern);
@@ -259,12 +265,16 @@ rl_reset(PG_FUNCTION_ARGS)
 	rl_append_glob_escaped(&pattern, key->data + prefix_len + 1,
 						   key->len - prefix_len - 1);
 	appendStringInfoChar(&pattern, '*');
-	do
+	for (i = 0; i < n; i++)
 	{
-		CHECK_FOR_INTERRUPTS();
-		rl_reset_step(conn, &pattern, key->data + prefix_len + 1,
-					  key->len - prefix_len - 1, cursor, sizeof(cursor));
-	} while (strcmp(cursor, "0") != 0);
+		strcpy(cursor, "0");
+		do
+		{
+			CHECK_FOR_INTERRUPTS();
+			rl_reset_step(conns[i], &pattern, key->data + prefix_len + 1,
+						  key->len - prefix_len - 1, cursor, sizeof(cursor));
+		} while (strcmp(cursor, "0") != 0);
+	}
 	pfree(pattern.data);
 	PG_RETURN_VOID();
 }

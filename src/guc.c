@@ -139,6 +139,27 @@ check_password(char **newval, void **extra, GucSource source)
 	}
 }
 
+/* check_password for rl_redis.sentinel_password, with its own hint. */
+static bool
+check_sentinel_password(char **newval, void **extra, GucSource source)
+{
+	if (*newval == NULL || (*newval)[0] == '\0')
+		return true;
+	switch (source)
+	{
+		case PGC_S_TEST:
+		case PGC_S_GLOBAL:
+		case PGC_S_DATABASE:
+		case PGC_S_USER:
+		case PGC_S_DATABASE_USER:
+			GUC_check_errdetail("Database, role and function settings are readable by every role.");
+			GUC_check_errhint("Set rl_redis.sentinel_password in postgresql.conf (or with ALTER SYSTEM).");
+			return false;
+		default:
+			return true;
+	}
+}
+
 /*
  * Fills buf with the Redis password to send: rl_redis.password when set,
  * else the first line (without its line end) of the file rl_redis.password_file
@@ -279,6 +300,7 @@ rl_parse_node(const char *s, size_t len, char *host, int *port)
 	const char *colon = NULL;
 	size_t		hlen;
 	size_t		plen;
+	size_t		i;
 	char		num[8];
 	char	   *end;
 	long		p;
@@ -304,8 +326,13 @@ rl_parse_node(const char *s, size_t len, char *host, int *port)
 		s++;
 		hlen -= 2;
 	}
+	else if (memchr(s, ':', hlen) != NULL || memchr(s, ']', hlen) != NULL)
+		return false;			/* an IPv6 address needs its brackets */
 	if (hlen >= RL_ADDRESS_LEN - 8 || plen == 0 || plen >= sizeof(num))
 		return false;
+	for (i = 0; i < hlen; i++)
+		if ((unsigned char) s[i] <= ' ' || s[i] == ',' || s[i] == '[')
+			return false;
 	memcpy(num, colon + 1, plen);
 	num[plen] = '\0';
 	errno = 0;
@@ -316,6 +343,30 @@ rl_parse_node(const char *s, size_t len, char *host, int *port)
 	host[hlen] = '\0';
 	*port = (int) p;
 	return true;
+}
+
+/*
+ * Parses the "<host>:<port>" of a node a server named (a MOVED or ASK
+ * redirection): an empty host is default_host, the server's own (Redis says
+ * ":<port>" when it does not know its address). A Unix socket path is
+ * refused: a server may send us to any TCP address, as to any client, but
+ * not to a socket of this machine.
+ */
+bool
+rl_parse_redirect_node(const char *s, const char *default_host, char *host,
+					   int *port)
+{
+	if (s[0] == ':')
+	{
+		char		buf[16];
+
+		snprintf(buf, sizeof(buf), "h%s", s);
+		if (strlen(s) >= sizeof(buf) - 1 || !rl_parse_node(buf, strlen(buf), host, port))
+			return false;
+		strlcpy(host, default_host, RL_ADDRESS_LEN);
+		return true;
+	}
+	return rl_parse_node(s, strlen(s), host, port) && host[0] != '/';
 }
 
 /* Accepts rl_redis.nodes: empty, or "host:port" items separated by commas. */
@@ -521,7 +572,7 @@ rl_define_gucs(void)
 							   "",
 							   PGC_SUSET,
 							   GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
-							   check_password, assign_connection_string, NULL);
+							   check_sentinel_password, assign_connection_string, NULL);
 
 	DefineCustomIntVariable("rl_redis.database",
 							"Redis logical database number (SELECT).",

@@ -134,6 +134,8 @@ extern bool rl_connection_settings_changed;
 extern void rl_define_gucs(void);
 extern bool rl_read_password(char *buf, size_t size, char *err, size_t errsize);
 extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
+extern bool rl_parse_redirect_node(const char *s, const char *default_host,
+								   char *host, int *port);
 
 /*
  * Why a Redis call failed, for the caller to raise as an error or to log as
@@ -200,6 +202,9 @@ extern RlConn *rl_conn_get(void);
 extern RlConn *rl_conn_at(const char *host, int port, RlConnKind kind);
 extern void rl_servers_changed(const char *why);
 extern void rl_conn_hand_over(RlConn *from, RlConn *to);
+extern void rl_conn_close(RlConn *conn);
+extern void rl_send_queued(RlConn *except);
+extern const char *rl_conn_host(RlConn *conn);
 extern RlConn *rl_conn_current(void);
 extern const char *rl_conn_name(RlConn *conn);
 extern void rl_conn_reset_breaker(RlConn *conn);

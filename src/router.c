@@ -56,6 +56,9 @@
  */
 #define RL_SENTINEL_RECHECK_MS 1000
 
+/* the most distinct nodes a backend keeps (a lying server names more) */
+#define RL_MAX_NODES 1024
+
 /* the longest pause between two tries after TRYAGAIN or CLUSTERDOWN */
 #define RL_MAX_BACKOFF_MS 200
 
@@ -82,6 +85,16 @@ static TimestampTz map_fetched_at = 0;
 static RlConn *master_conn = NULL;
 static bool master_stale = false;
 static TimestampTz master_checked_at = 0;
+static int	sentinel_first = 0;		/* the seed that answered last */
+
+/*
+ * Whether the current rl_call may still fetch the slot map or ask the
+ * sentinels (once per call, so that a call's waits stay bounded).
+ */
+static bool may_ask = true;
+
+/* the last route failed: its next failure is no new outage (one warning) */
+static bool route_outage = false;
 
 /* the routing settings as last seen (see rl_router_settings) */
 static uint64 settings_seen = 0;
@@ -204,7 +217,10 @@ rl_seeds(RlNode *seeds)
 	return n;
 }
 
-/* Returns the index in nodes of the node at host and port, adding it. */
+/*
+ * Returns the index in nodes of the node at host and port, adding it; -1
+ * when RL_MAX_NODES are known already.
+ */
 static int
 rl_node_index(const char *host, int port)
 {
@@ -213,6 +229,8 @@ rl_node_index(const char *host, int port)
 	for (i = 0; i < nnodes; i++)
 		if (nodes[i].port == port && strcmp(nodes[i].host, host) == 0)
 			return i;
+	if (nnodes >= RL_MAX_NODES)
+		return -1;
 	if (nnodes == maxnodes)
 	{
 		int			newmax = Max(16, maxnodes * 2);
@@ -257,58 +275,91 @@ rl_reply_number(const redisReply *reply)
 
 /*
  * Reads a CLUSTER SLOTS reply from the node at asked_host into the slot
- * map; false when it is not one (the map is then left as it was).
+ * map; false when it is not one (the map is then left as it was). The
+ * nodes of the old map that the new one does not name any more (a master
+ * that failed, was demoted or left) hand what their queues hold to the new
+ * master of their first slot: a MOVED puts each command right from there.
  */
 static bool
 rl_read_slots(redisReply *reply, const char *asked_host)
 {
 	uint16	   *map;
+	int		   *first_slot;
 	size_t		i;
+	int			pass;
+	int			old_nodes = nnodes;
 
-	if (reply->type != REDIS_REPLY_ARRAY)
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements > RL_SLOTS)
 		return false;
 	map = palloc0(sizeof(uint16) * RL_SLOTS);
-	for (i = 0; i < reply->elements; i++)
-	{
-		redisReply *range = reply->element[i];
-		redisReply *master;
-		long long	from,
-					to,
-					port;
-		char		host[RL_ADDRESS_LEN];
-		int			index;
-		long long	slot;
+	/* pass 0 checks the whole reply, pass 1 adds its nodes */
+	for (pass = 0; pass < 2; pass++)
+		for (i = 0; i < reply->elements; i++)
+		{
+			redisReply *range = reply->element[i];
+			redisReply *master;
+			long long	from,
+						to,
+						port;
+			char		host[RL_ADDRESS_LEN];
+			int			index;
 
-		if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
-			range->element[0]->type != REDIS_REPLY_INTEGER ||
-			range->element[1]->type != REDIS_REPLY_INTEGER ||
-			range->element[2]->type != REDIS_REPLY_ARRAY ||
-			range->element[2]->elements < 2)
-			goto bad;
-		master = range->element[2];
-		if (!rl_reply_scalar(master->element[0]) ||
-			!rl_reply_scalar(master->element[1]))
-			goto bad;
-		from = range->element[0]->integer;
-		to = range->element[1]->integer;
-		port = rl_reply_number(master->element[1]);
-		if (from < 0 || to >= RL_SLOTS || from > to || port < 1 || port > 65535)
-			goto bad;
-		if (master->element[0]->type == REDIS_REPLY_INTEGER ||
-			master->element[0]->len >= RL_ADDRESS_LEN - 8)
-			goto bad;
-		/* an empty host is the node asked; "?" an unknown endpoint */
-		if (master->element[0]->len == 0)
-			strlcpy(host, asked_host, sizeof(host));
-		else
-			snprintf(host, sizeof(host), "%.*s", (int) master->element[0]->len,
-					 master->element[0]->str);
-		if (strcmp(host, "?") == 0)
-			continue;
-		index = rl_node_index(host, (int) port);
-		for (slot = from; slot <= to; slot++)
-			map[slot] = (uint16) (index + 1);
+			if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
+				range->element[0]->type != REDIS_REPLY_INTEGER ||
+				range->element[1]->type != REDIS_REPLY_INTEGER ||
+				range->element[2]->type != REDIS_REPLY_ARRAY ||
+				range->element[2]->elements < 2)
+				goto bad;
+			master = range->element[2];
+			if ((master->element[0]->type != REDIS_REPLY_STRING &&
+				 master->element[0]->type != REDIS_REPLY_STATUS) ||
+				!rl_reply_scalar(master->element[1]))
+				goto bad;
+			from = range->element[0]->integer;
+			to = range->element[1]->integer;
+			port = rl_reply_number(master->element[1]);
+			if (from < 0 || to >= RL_SLOTS || from > to || port < 1 || port > 65535 ||
+				master->element[0]->len >= RL_ADDRESS_LEN - 8)
+				goto bad;
+			/* an empty host is the node asked; "?" an unknown endpoint */
+			if (master->element[0]->len == 0)
+				strlcpy(host, asked_host, sizeof(host));
+			else
+				snprintf(host, sizeof(host), "%.*s", (int) master->element[0]->len,
+						 master->element[0]->str);
+			if (host[0] == '/')
+				goto bad;		/* no socket of this machine */
+			if (pass == 0 || strcmp(host, "?") == 0)
+				continue;
+			index = rl_node_index(host, (int) port);
+			if (index < 0)
+				goto bad;
+			for (; from <= to; from++)
+				map[from] = (uint16) (index + 1);
+		}
+
+	/* where the nodes that leave the map hand their queues */
+	first_slot = palloc(sizeof(int) * Max(old_nodes, 1));
+	for (i = 0; i < (size_t) old_nodes; i++)
+		first_slot[i] = -1;
+	for (i = RL_SLOTS; i-- > 0;)
+		if (slot_node[i] != 0 && slot_node[i] <= old_nodes)
+			first_slot[slot_node[i] - 1] = (int) i;
+	for (i = 0; i < (size_t) old_nodes; i++)
+	{
+		int			slot = first_slot[i];
+
+		if (slot >= 0 && map[slot] != 0 && map[slot] != i + 1)
+		{
+			int			k;
+
+			for (k = 0; k < RL_SLOTS && map[k] != i + 1; k++)
+				;
+			if (k == RL_SLOTS)	/* no master any more */
+				rl_conn_hand_over(nodes[i].conn, nodes[map[slot] - 1].conn);
+		}
 	}
+	pfree(first_slot);
 	memcpy(slot_node, map, sizeof(uint16) * RL_SLOTS);
 	pfree(map);
 	return true;
@@ -318,10 +369,23 @@ bad:
 	return false;
 }
 
+/* True when some slot of the map is served by node index i. */
+static bool
+rl_node_serves(int i)
+{
+	int			slot;
+
+	for (slot = 0; slot < RL_SLOTS; slot++)
+		if (slot_node[slot] == i + 1)
+			return true;
+	return false;
+}
+
 /*
- * Fetches the slot map: asks the seeds, then the nodes known, in turn,
- * until one answers CLUSTER SLOTS. False, with the last failure, when none
- * does.
+ * Fetches the slot map: asks the masters of the map known, then the seeds,
+ * then the other nodes known, in turn, until one answers CLUSTER SLOTS, and
+ * stops asking after connect_timeout. False, with the last failure, when
+ * none does.
  */
 static bool
 rl_cluster_refresh(RlFailure *failure)
@@ -329,65 +393,89 @@ rl_cluster_refresh(RlFailure *failure)
 	RlNode		seeds[RL_MAX_SEEDS];
 	int			nseeds = rl_seeds(seeds);
 	int			known = nnodes;
+	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+													   rl_connect_timeout);
+	int			pass;
 	int			i;
 
 	if (slot_node == NULL)
 		slot_node = MemoryContextAllocZero(TopMemoryContext,
 										   sizeof(uint16) * RL_SLOTS);
-	map_fetched_at = GetCurrentTimestamp();
 	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 	failure->first_in_outage = true;
 	snprintf(failure->message, sizeof(failure->message),
 			 "no Redis Cluster node to ask for the slot map");
-	for (i = 0; i < nseeds + known; i++)
-	{
-		const char *argv[2] = {"CLUSTER", "SLOTS"};
-		size_t		argvlen[2] = {7, 5};
-		RlNode	   *node = i < nseeds ? &seeds[i] : &nodes[i - nseeds];
-		RlConn	   *conn = i < nseeds ?
-			rl_conn_at(node->host, node->port, RL_CONN_SERVER) : node->conn;
-		char		host[RL_ADDRESS_LEN];
-		redisReply *reply;
+	/* pass 0: masters known; 1: seeds; 2: the other nodes known */
+	for (pass = 0; pass < 3; pass++)
+		for (i = 0; i < (pass == 1 ? nseeds : known); i++)
+		{
+			const char *argv[2] = {"CLUSTER", "SLOTS"};
+			size_t		argvlen[2] = {7, 5};
+			char		host[RL_ADDRESS_LEN];
+			RlConn	   *conn;
+			redisReply *reply;
 
-		strlcpy(host, node->host, sizeof(host));
-		reply = rl_command(conn, 2, argv, argvlen, failure);
-		if (reply == NULL)
-			continue;
-		if (reply->type == REDIS_REPLY_ERROR)
-		{
-			rl_error_reply(conn, reply, failure);
-			continue;
-		}
-		if (!rl_read_slots(reply, host))
-		{
+			if (pass != 1 && rl_node_serves(i) != (pass == 0))
+				continue;
+			if (GetCurrentTimestamp() >= deadline)
+				goto out;
+			if (pass == 1)
+			{
+				strlcpy(host, seeds[i].host, sizeof(host));
+				conn = rl_conn_at(host, seeds[i].port, RL_CONN_SERVER);
+			}
+			else
+			{
+				strlcpy(host, nodes[i].host, sizeof(host));
+				conn = nodes[i].conn;
+			}
+			reply = rl_command(conn, 2, argv, argvlen, failure);
+			if (reply == NULL)
+				continue;
+			if (reply->type == REDIS_REPLY_ERROR)
+			{
+				rl_error_reply(conn, reply, failure);
+				continue;
+			}
+			if (!rl_read_slots(reply, host))
+			{
+				freeReplyObject(reply);
+				failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
+				snprintf(failure->message, sizeof(failure->message),
+						 "unexpected reply to CLUSTER SLOTS from Redis at %s",
+						 rl_conn_name(conn));
+				continue;
+			}
 			freeReplyObject(reply);
-			failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
-			snprintf(failure->message, sizeof(failure->message),
-					 "unexpected reply to CLUSTER SLOTS from Redis at %s",
-					 rl_conn_name(conn));
-			continue;
+			map_loaded = true;
+			map_stale = false;
+			map_fetched_at = GetCurrentTimestamp();
+			return true;
 		}
-		freeReplyObject(reply);
-		map_loaded = true;
-		map_stale = false;
-		return true;
-	}
+out:
+	/* the next try waits as long as the breaker would */
+	map_fetched_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+												 Max(rl_retry_interval, RL_REFRESH_MS) - RL_REFRESH_MS);
 	return false;
 }
 
 /*
- * Asks the sentinels, in order, for the address of rl_redis.sentinel_master
- * and makes its connection the master's. What the previous master's queue
- * still holds goes to the new one. False, with the last failure, when no
- * sentinel names it.
+ * Asks the sentinels, in order (first the one that answered last), for the
+ * address of rl_redis.sentinel_master and makes its connection the
+ * master's; stops asking after connect_timeout. What the previous master's
+ * queue still holds goes to the new one. False, with the last failure,
+ * when no sentinel names it.
  */
 static bool
 rl_sentinel_discover(RlFailure *failure)
 {
 	RlNode		seeds[RL_MAX_SEEDS];
 	int			nseeds = rl_seeds(seeds);
-	int			i;
+	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+													   rl_connect_timeout);
+	int			n;
 
+	master_checked_at = GetCurrentTimestamp();
 	failure->first_in_outage = true;
 	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 	if (rl_sentinel_master[0] == '\0')
@@ -398,8 +486,9 @@ rl_sentinel_discover(RlFailure *failure)
 	}
 	snprintf(failure->message, sizeof(failure->message),
 			 "no sentinel named the master \"%s\"", rl_sentinel_master);
-	for (i = 0; i < nseeds; i++)
+	for (n = 0; n < nseeds && GetCurrentTimestamp() < deadline; n++)
 	{
+		int			i = (sentinel_first + n) % nseeds;
 		const char *argv[3] = {"SENTINEL", "get-master-addr-by-name",
 		rl_sentinel_master};
 		size_t		argvlen[3] = {8, 23, strlen(rl_sentinel_master)};
@@ -421,6 +510,7 @@ rl_sentinel_discover(RlFailure *failure)
 			reply->element[0]->type != REDIS_REPLY_STRING ||
 			reply->element[0]->len == 0 ||
 			reply->element[0]->len >= RL_ADDRESS_LEN - 8 ||
+			reply->element[0]->str[0] == '/' ||
 			!rl_reply_scalar(reply->element[1]) ||
 			(port = rl_reply_number(reply->element[1])) < 1 || port > 65535)
 		{
@@ -439,7 +529,7 @@ rl_sentinel_discover(RlFailure *failure)
 			rl_conn_hand_over(master_conn, found);
 		master_conn = found;
 		master_stale = false;
-		master_checked_at = GetCurrentTimestamp();
+		sentinel_first = i;
 		return true;
 	}
 	return false;
@@ -454,43 +544,67 @@ rl_sentinel_discover(RlFailure *failure)
 RlConn *
 rl_route(const char *key, size_t keylen, RlFailure *failure)
 {
+	RlConn	   *conn = NULL;
+
 	rl_router_settings();
 	if (rl_mode == RL_MODE_STANDALONE)
 		return rl_conn_get();
 	if (rl_mode == RL_MODE_SENTINEL)
 	{
 		/* a master not failed but not checked lately stays when none answers */
-		if ((master_conn == NULL || master_stale ||
+		if (may_ask &&
+			(master_conn == NULL || master_stale ||
 			 TimestampDifferenceExceeds(master_checked_at, GetCurrentTimestamp(),
-										RL_SENTINEL_RECHECK_MS)) &&
-			!rl_sentinel_discover(failure) &&
-			(master_conn == NULL || master_stale))
-			return NULL;
-		return master_conn;
-	}
-	if (!map_loaded ||
-		(map_stale && TimestampDifferenceExceeds(map_fetched_at,
-												 GetCurrentTimestamp(),
-												 RL_REFRESH_MS)))
-	{
-		if (!rl_cluster_refresh(failure) && !map_loaded)
-			return NULL;
-	}
-	{
-		int			slot = rl_key_slot(key, keylen);
-		int			index = slot_node[slot];
-
-		if (index == 0)
+										RL_SENTINEL_RECHECK_MS)))
 		{
-			map_stale = true;
-			failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-			failure->first_in_outage = true;
-			snprintf(failure->message, sizeof(failure->message),
-					 "no Redis Cluster node serves hash slot %d", slot);
-			return NULL;
+			may_ask = false;
+			(void) rl_sentinel_discover(failure);
 		}
-		return nodes[index - 1].conn;
+		else if (master_conn == NULL || master_stale)
+		{
+			failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+			snprintf(failure->message, sizeof(failure->message),
+					 "no sentinel named the master \"%s\" lately",
+					 rl_sentinel_master);
+		}
+		if (master_conn != NULL && !master_stale)
+			conn = master_conn;
 	}
+	else
+	{
+		if (may_ask && (!map_loaded ||
+						(map_stale && GetCurrentTimestamp() >=
+						 TimestampTzPlusMilliseconds(map_fetched_at, RL_REFRESH_MS))))
+		{
+			may_ask = false;
+			(void) rl_cluster_refresh(failure);
+		}
+		if (!map_loaded)
+		{
+			failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+			snprintf(failure->message, sizeof(failure->message),
+					 "the slot map of the Redis Cluster is not known");
+		}
+		else
+		{
+			int			slot = rl_key_slot(key, keylen);
+
+			if (slot_node[slot] != 0)
+				conn = nodes[slot_node[slot] - 1].conn;
+			else
+			{
+				map_stale = true;
+				failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+				snprintf(failure->message, sizeof(failure->message),
+						 "no Redis Cluster node serves hash slot %d", slot);
+			}
+		}
+	}
+	/* one warning per outage (on_error allow or deny), not one per call */
+	if (conn == NULL)
+		failure->first_in_outage = !route_outage;
+	route_outage = (conn == NULL);
+	return conn;
 }
 
 /*
@@ -530,8 +644,8 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 {
 	int			n = 0;
 	int			i;
-	int			slot;
 
+	may_ask = true;
 	if (rl_mode != RL_MODE_CLUSTER)
 	{
 		RlConn	   *conn = rl_route("", 0, failure);
@@ -547,12 +661,15 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 		return -1;
 	*conns = palloc(sizeof(RlConn *) * Max(nnodes, 1));
 	for (i = 0; i < nnodes; i++)
-	{
-		for (slot = 0; slot < RL_SLOTS; slot++)
-			if (slot_node[slot] == i + 1)
-				break;
-		if (slot < RL_SLOTS)
+		if (rl_node_serves(i))
 			(*conns)[n++] = nodes[i].conn;
+	if (n == 0)
+	{
+		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+		failure->first_in_outage = true;
+		snprintf(failure->message, sizeof(failure->message),
+				 "no Redis Cluster node serves any hash slot");
+		return -1;
 	}
 	return n;
 }
@@ -567,7 +684,10 @@ rl_route_failed(RlConn *conn)
 	if (rl_mode == RL_MODE_CLUSTER)
 		map_stale = true;
 	else if (rl_mode == RL_MODE_SENTINEL && conn == master_conn)
+	{
 		master_stale = true;
+		rl_conn_close(conn);	/* its next connection checks ROLE again */
+	}
 }
 
 /*
@@ -575,7 +695,7 @@ rl_route_failed(RlConn *conn)
  * false when it is not of that form.
  */
 static bool
-rl_parse_redirect(const char *s, int *slot, char *host, int *port)
+rl_parse_redirect(const char *s, RlConn *from, int *slot, char *host, int *port)
 {
 	char	   *end;
 	long		v = strtol(s, &end, 10);
@@ -583,7 +703,7 @@ rl_parse_redirect(const char *s, int *slot, char *host, int *port)
 	if (end == s || *end != ' ' || v < 0 || v >= RL_SLOTS)
 		return false;
 	*slot = (int) v;
-	return rl_parse_node(end + 1, strlen(end + 1), host, port);
+	return rl_parse_redirect_node(end + 1, rl_conn_host(from), host, port);
 }
 
 /* Sleeps ms, or less when an interrupt comes (it is serviced). */
@@ -609,19 +729,24 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 		RlFailure *failure)
 {
 	RlConn	   *ask = NULL;
+	RlConn	   *moved = NULL;
 	int			tries = 0;
 	long		backoff = 10;
 	int			timeout = rl_command_timeout > 0 ? rl_command_timeout : 2000;
 	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
 													   timeout);
 
+	may_ask = true;
+	if (rl_mode == RL_MODE_CLUSTER)
+		rl_send_queued(NULL);
 	for (;;)
 	{
-		RlConn	   *conn = ask ? ask : rl_route(key, keylen, failure);
+		RlConn	   *conn = ask ? ask : moved ? moved : rl_route(key, keylen, failure);
 		redisReply *reply;
 		char		host[RL_ADDRESS_LEN];
 		int			port;
 		int			slot;
+		int			index;
 
 		*connp = conn;
 		if (conn == NULL)
@@ -645,6 +770,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 		else
 			reply = rl_command(conn, argc, argv, argvlen, failure);
 		ask = NULL;
+		moved = NULL;
 		if (rl_mode == RL_MODE_STANDALONE || ++tries > RL_MAX_REDIRECTS)
 			return reply;
 
@@ -666,14 +792,17 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 			return reply;
 
 		if (rl_mode == RL_MODE_CLUSTER && strncmp(reply->str, "MOVED ", 6) == 0 &&
-			rl_parse_redirect(reply->str + 6, &slot, host, &port))
+			rl_parse_redirect(reply->str + 6, conn, &slot, host, &port) &&
+			(index = rl_node_index(host, port)) >= 0)
 		{
-			slot_node[slot] = (uint16) (rl_node_index(host, port) + 1);
+			slot_node[slot] = (uint16) (index + 1);
+			moved = nodes[index].conn;
 			map_stale = true;
 		}
 		else if (rl_mode == RL_MODE_CLUSTER && strncmp(reply->str, "ASK ", 4) == 0 &&
-				 rl_parse_redirect(reply->str + 4, &slot, host, &port))
-			ask = rl_conn_at(host, port, RL_CONN_SERVER);
+				 rl_parse_redirect(reply->str + 4, conn, &slot, host, &port) &&
+				 (index = rl_node_index(host, port)) >= 0)
+			ask = nodes[index].conn;
 		else if (rl_mode == RL_MODE_CLUSTER &&
 				 (strncmp(reply->str, "TRYAGAIN", 8) == 0 ||
 				  strncmp(reply->str, "CLUSTERDOWN", 11) == 0))

@@ -153,6 +153,9 @@ static StringInfoData out;
 /* a command written whole this often and never confirmed is dropped */
 #define RL_QUEUE_TRIES 2
 
+/* a queued command redirected or told to try again this often is dropped */
+#define RL_MAX_REQUEUE 5
+
 /*
  * What may wait in a queue: a command beyond it is dropped with a warning.
  * (The queue holds the work of the transaction ends since the last command
@@ -181,7 +184,7 @@ static void rl_discard_queue(RlConn *conn, const char *why);
 static void rl_queue_unconfirmed(RlConn *conn);
 static void rl_queue_push(RlConn *conn, int argc, const char **argv,
 						  const size_t *argvlen, const char *encoded,
-						  size_t len, bool idempotent);
+						  size_t len, bool idempotent, uint8 tries);
 
 /* Closes the socket and frees everything that belongs to the connection. */
 static void
@@ -261,11 +264,39 @@ rl_format_address(char *buf, const char *host, int port)
 {
 	if (host[0] == '/')
 		snprintf(buf, RL_ADDRESS_LEN, "%s", host);
-	else if (strchr(host, ':') != NULL)
-		snprintf(buf, RL_ADDRESS_LEN, "[%s]:%d", host, port);
 	else
 		snprintf(buf, RL_ADDRESS_LEN, "%s:%d", host, port);
 }
+
+/*
+ * Fills failure from a Redis error reply and frees the reply. A refused
+ * authentication is a connection failure (08001); anything else Redis
+ * refuses (OOM, READONLY, WRONGTYPE, NOPERM ...) is reported with its text.
+ */
+void
+rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
+{
+	failure->first_in_outage = true;
+	/* Redis 7 refuses commands of more than 10 words before AUTH */
+	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
+		strncmp(reply->str, "WRONGPASS", 9) == 0 ||
+		strncmp(reply->str, "ERR Protocol error: unauthenticated", 35) == 0)
+	{
+		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
+		snprintf(failure->message, sizeof(failure->message),
+				 "could not authenticate to Redis at %s: %s",
+				 rl_conn_name(conn), reply->str);
+	}
+	else
+	{
+		failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
+		snprintf(failure->message, sizeof(failure->message),
+				 "Redis at %s returned an error: %s",
+				 rl_conn_name(conn), reply->str);
+	}
+	freeReplyObject(reply);
+}
+
 
 /*
  * Returns the cache entry of the server at host and port for kind, creating
@@ -315,6 +346,53 @@ RlConn *
 rl_conn_at(const char *host, int port, RlConnKind kind)
 {
 	return rl_conn_lookup(host, port, kind);
+}
+
+/* The host name (or address, or socket path) conn was made for. */
+const char *
+rl_conn_host(RlConn *conn)
+{
+	return conn->host;
+}
+
+/*
+ * Sends the work queued on the connections other than except (with a PING
+ * after it, to read its replies): work that a transaction end could not
+ * write, because that server had no open connection then, goes with the
+ * session's next call wherever that call goes (unless that server's last
+ * call failed). A failure is left to that connection's breaker and next
+ * call.
+ */
+void
+rl_send_queued(RlConn *except)
+{
+	RlConn	   *conn;
+
+	for (conn = conn_list; conn != NULL; conn = conn->next)
+	{
+		const char *argv[1] = {"PING"};
+		size_t		argvlen[1] = {4};
+		RlFailure	failure;
+		redisReply *reply;
+
+		/* a server in an outage gets its work with its own next call */
+		if (conn == except || conn->queue_count == 0 ||
+			conn->kind == RL_CONN_SENTINEL || conn->breaker.outage_start != 0)
+			continue;
+		reply = rl_command(conn, 1, argv, argvlen, &failure);
+		if (reply != NULL)
+			freeReplyObject(reply);
+	}
+}
+
+/*
+ * Closes conn (the next command opens it again, with its checks); what its
+ * queue holds stays.
+ */
+void
+rl_conn_close(RlConn *conn)
+{
+	rl_disconnect(conn);
 }
 
 /*
@@ -825,17 +903,25 @@ rl_check_master(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	return false;
 }
 
-/* Writes the current connection settings into buf, to compare. */
+/*
+ * Writes the current settings that a connection of kind is made with into
+ * buf, to compare (the configured server's address for the one server of
+ * standalone mode; where the others are is the router's business).
+ */
 static void
-rl_settings_signature(StringInfo buf)
+rl_settings_signature(StringInfo buf, RlConnKind kind)
 {
 	resetStringInfo(buf);
-	appendStringInfo(buf, "%s%c%d%c%s%c%s%c%s%c%d%c%d%c%s%c%s%c%s%c%s%c%d%c%s%c%s%c%s",
-					 rl_host, 0, rl_port, 0, rl_username, 0, rl_password, 0,
-					 rl_password_file, 0, rl_database, 0, (int) rl_tls, 0,
+	appendStringInfo(buf, "%d%c%s%c%s%c%s%c%s", (int) rl_tls, 0,
 					 rl_tls_ca_file, 0, rl_tls_cert_file, 0, rl_tls_key_file, 0,
-					 rl_tls_server_name, 0, rl_mode, 0, rl_nodes, 0,
-					 rl_sentinel_master, 0, rl_sentinel_password);
+					 rl_tls_server_name);
+	if (kind == RL_CONN_SENTINEL)
+		appendStringInfo(buf, "%c%s", 0, rl_sentinel_password);
+	else
+		appendStringInfo(buf, "%c%s%c%s%c%s%c%d", 0, rl_username, 0,
+						 rl_password, 0, rl_password_file, 0, rl_database);
+	if (rl_mode == RL_MODE_STANDALONE)
+		appendStringInfo(buf, "%c%s%c%d", 0, rl_host, 0, rl_port);
 }
 
 /*
@@ -852,7 +938,7 @@ rl_settings_changed(RlConn *conn)
 	if (!conn->ready)
 		return true;
 	initStringInfo(&now);
-	rl_settings_signature(&now);
+	rl_settings_signature(&now, conn->kind);
 	changed = now.len != conn->settings.len ||
 		memcmp(now.data, conn->settings.data, now.len) != 0;
 	pfree(now.data);
@@ -1043,7 +1129,7 @@ rl_connect(RlConn *conn, RlFailure *failure)
 
 		/* what was queued for the previous server must not reach this one */
 		initStringInfo(&now);
-		rl_settings_signature(&now);
+		rl_settings_signature(&now, conn->kind);
 		if (now.len != conn->settings.len ||
 			memcmp(now.data, conn->settings.data, now.len) != 0)
 		{
@@ -1052,7 +1138,7 @@ rl_connect(RlConn *conn, RlFailure *failure)
 		}
 		pfree(now.data);
 	}
-	rl_settings_signature(&conn->settings);
+	rl_settings_signature(&conn->settings, conn->kind);
 
 	return rl_resolve(conn, &sun, failure) &&
 		rl_open(conn, &sun, deadline, failure) &&
@@ -1208,11 +1294,14 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 }
 
 /*
- * A queued command k of conn got a redirection of Redis Cluster (error,
- * "MOVED <slot> <host>:<port>" or "ASK ..."): it was not run, so it moves to
- * the queue of the node named, after ASKING for ASK, and goes with that
- * node's next command or transaction end. False when error is no
- * redirection.
+ * A queued command k of conn got an error reply of Redis Cluster that says
+ * it was not run: a redirection ("MOVED <slot> <host>:<port>" or "ASK ...";
+ * an empty host is conn's), after which it moves to the queue of the node
+ * named, after ASKING for ASK; or TRYAGAIN / CLUSTERDOWN (a slot being
+ * moved, the cluster failing over), after which it waits in conn's queue
+ * for the next write. Either way it goes with that connection's next
+ * command or transaction end, at most RL_MAX_REQUEUE times. False when the
+ * error is none of these, or the command went round too often.
  */
 static bool
 rl_queue_redirect(RlConn *conn, int k, const char *error)
@@ -1224,23 +1313,31 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	RlConn	   *target;
 	size_t		from = rl_queue_offset(conn, k);
 
-	if (!ask && strncmp(error, "MOVED ", 6) != 0)
+	if (rl_mode != RL_MODE_CLUSTER || conn->queue_tries[k] >= RL_MAX_REQUEUE)
 		return false;
-	node = strchr(error + (ask ? 4 : 6), ' ');
-	if (node == NULL || !rl_parse_node(node + 1, strlen(node + 1), host, &port))
-		return false;
-	target = rl_conn_lookup(host, port, conn->kind);
-	if (target == conn)
-		return false;
+	if (strncmp(error, "TRYAGAIN", 8) == 0 || strncmp(error, "CLUSTERDOWN", 11) == 0)
+		target = conn;
+	else
+	{
+		if (!ask && strncmp(error, "MOVED ", 6) != 0)
+			return false;
+		node = strchr(error + (ask ? 4 : 6), ' ');
+		if (node == NULL || !rl_parse_redirect_node(node + 1, conn->host, host, &port))
+			return false;
+		target = rl_conn_lookup(host, port, conn->kind);
+		if (target == conn)
+			return false;
+	}
 	if (ask)
 	{
 		const char *argv[1] = {"ASKING"};
 		size_t		argvlen[1] = {6};
 
-		rl_queue_push(target, 1, argv, argvlen, NULL, 0, true);
+		rl_queue_push(target, 1, argv, argvlen, NULL, 0, true, 0);
 	}
 	rl_queue_push(target, 0, NULL, NULL, conn->queue.data + from,
-				  conn->queue_ends[k] - from, conn->queue_idempotent[k]);
+				  conn->queue_ends[k] - from, conn->queue_idempotent[k],
+				  conn->queue_tries[k]);
 	return true;
 }
 
@@ -1299,18 +1396,19 @@ void
 rl_defer_command(RlConn *conn, int argc, const char **argv,
 				 const size_t *argvlen, bool idempotent)
 {
-	rl_queue_push(conn, argc, argv, argvlen, NULL, 0, idempotent);
+	rl_queue_push(conn, argc, argv, argvlen, NULL, 0, idempotent, 0);
 }
 
 /*
  * Appends one command to conn's queue: argv encoded, or (argv NULL) the
- * len bytes at encoded, already encoded. Beyond RL_MAX_QUEUE bytes waiting
+ * len bytes at encoded, already encoded; tries: the times it was written
+ * whole (to another connection) already. Beyond RL_MAX_QUEUE bytes waiting
  * the command is dropped with a warning. Raises only when out of memory.
  */
 static void
 rl_queue_push(RlConn *conn, int argc, const char **argv,
 			  const size_t *argvlen, const char *encoded, size_t len,
-			  bool idempotent)
+			  bool idempotent, uint8 tries)
 {
 	MemoryContext old;
 
@@ -1344,7 +1442,7 @@ rl_queue_push(RlConn *conn, int argc, const char **argv,
 	else
 		appendBinaryStringInfo(&conn->queue, encoded, len);
 	conn->queue_idempotent[conn->queue_count] = idempotent;
-	conn->queue_tries[conn->queue_count] = 0;
+	conn->queue_tries[conn->queue_count] = tries;
 	conn->queue_ends[conn->queue_count++] = conn->queue.len;
 	MemoryContextSwitchTo(old);
 }
@@ -1366,7 +1464,8 @@ rl_conn_hand_over(RlConn *from, RlConn *to)
 		size_t		off = rl_queue_offset(from, k);
 
 		rl_queue_push(to, 0, NULL, NULL, from->queue.data + off,
-					  from->queue_ends[k] - off, from->queue_idempotent[k]);
+					  from->queue_ends[k] - off, from->queue_idempotent[k],
+					  from->queue_tries[k]);
 	}
 	rl_queue_remove(from, 0, from->queue_count);
 }
@@ -1574,7 +1673,11 @@ rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
 		(conn->pending_replies == 0 && conn->queue_partial == 0 &&
 		 !rl_connection_alive(conn)))
 	{
-		if (!rl_connect(conn, failure))
+		bool		connected = rl_connect(conn, failure);
+
+		/* AUTH, SELECT and ROLE were sent, not the command */
+		conn->last_command_sent = false;
+		if (!connected)
 		{
 			rl_breaker_failed(&conn->breaker, failure);
 			return NULL;
