@@ -574,6 +574,12 @@ rl_define_gucs(void)
 							   GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
 							   check_sentinel_password, assign_connection_string, NULL);
 
+	if (!process_shared_preload_libraries_in_progress &&
+		rl_sentinel_password != NULL && rl_sentinel_password[0] != '\0')
+		ereport(WARNING,
+				(errmsg("rl_redis.sentinel_password was readable by any role before the rl_redis library was loaded"),
+				 errhint("Add rl_redis to shared_preload_libraries.")));
+
 	DefineCustomIntVariable("rl_redis.database",
 							"Redis logical database number (SELECT).",
 							NULL,

@@ -210,6 +210,9 @@ extern const char *rl_conn_name(RlConn *conn);
 extern void rl_conn_reset_breaker(RlConn *conn);
 extern redisReply *rl_command(RlConn *conn, int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
+extern redisReply *rl_command_within(RlConn *conn, int argc,
+									 const char **argv, const size_t *argvlen,
+									 int limit_ms, RlFailure *failure);
 extern void rl_defer_command(RlConn *conn, int argc, const char **argv,
 							 const size_t *argvlen, bool idempotent);
 extern uint64 rl_server_generation(void);

@@ -166,9 +166,11 @@ rl_router_settings(void)
 	settings_seen = rl_settings_version();
 	initStringInfo(&now);
 	appendStringInfo(&now, "%d", rl_mode);
-	if (rl_mode != RL_MODE_STANDALONE)
-		appendStringInfo(&now, "%c%s%c%d%c%s%c%s", 0, rl_host, 0, rl_port, 0,
-						 rl_nodes, 0, rl_sentinel_master);
+	if (rl_mode != RL_MODE_STANDALONE && rl_nodes[0] != '\0')
+		appendStringInfo(&now, "%c%s%c%s", 0, rl_nodes, 0, rl_sentinel_master);
+	else if (rl_mode != RL_MODE_STANDALONE)
+		appendStringInfo(&now, "%c%s%c%d%c%s", 0, rl_host, 0, rl_port, 0,
+						 rl_sentinel_master);
 	if (routing.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -383,8 +385,8 @@ rl_node_serves(int i)
 
 /*
  * Fetches the slot map: asks the masters of the map known, then the seeds,
- * then the other nodes known, in turn, until one answers CLUSTER SLOTS, and
- * stops asking after connect_timeout. False, with the last failure, when
+ * then the other nodes known, in turn, until one answers CLUSTER SLOTS, all
+ * within connect_timeout. False, with the last failure, when
  * none does.
  */
 static bool
@@ -429,7 +431,10 @@ rl_cluster_refresh(RlFailure *failure)
 				strlcpy(host, nodes[i].host, sizeof(host));
 				conn = nodes[i].conn;
 			}
-			reply = rl_command(conn, 2, argv, argvlen, failure);
+			reply = rl_command_within(conn, 2, argv, argvlen,
+									  (int) Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+																				deadline), 1),
+									  failure);
 			if (reply == NULL)
 				continue;
 			if (reply->type == REDIS_REPLY_ERROR)
@@ -462,7 +467,7 @@ out:
 /*
  * Asks the sentinels, in order (first the one that answered last), for the
  * address of rl_redis.sentinel_master and makes its connection the
- * master's; stops asking after connect_timeout. What the previous master's
+ * master's, all within connect_timeout. What the previous master's
  * queue still holds goes to the new one. False, with the last failure,
  * when no sentinel names it.
  */
@@ -494,11 +499,15 @@ rl_sentinel_discover(RlFailure *failure)
 		size_t		argvlen[3] = {8, 23, strlen(rl_sentinel_master)};
 		RlConn	   *conn = rl_conn_at(seeds[i].host, seeds[i].port,
 									  RL_CONN_SENTINEL);
-		redisReply *reply = rl_command(conn, 3, argv, argvlen, failure);
+		redisReply *reply;
 		char		host[RL_ADDRESS_LEN];
 		long long	port;
 		RlConn	   *found;
 
+		reply = rl_command_within(conn, 3, argv, argvlen,
+								  (int) Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+																			deadline), 1),
+								  failure);
 		if (reply == NULL)
 			continue;
 		if (reply->type == REDIS_REPLY_ERROR)

@@ -1093,12 +1093,12 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 
 /*
  * Opens a new connection to conn's server from the current settings:
- * resolve, open, TLS (with rl_redis.tls), handshake.
+ * resolve, open, TLS (with rl_redis.tls), handshake, within timeout_ms.
  */
 static bool
-rl_connect(RlConn *conn, RlFailure *failure)
+rl_connect(RlConn *conn, int timeout_ms, RlFailure *failure)
 {
-	TimestampTz deadline = rl_deadline(rl_connect_timeout);
+	TimestampTz deadline = rl_deadline(timeout_ms);
 	struct sockaddr_un sun;
 	static bool exit_callback_registered = false;
 
@@ -1635,19 +1635,41 @@ rl_transport_init(void)
 
 /*
  * Sends one command and returns its reply, which the caller must free with
- * freeReplyObject. Opens the connection when needed, and first sends what
- * a transaction end left queued and reads what it left unread. On failure
- * returns NULL with failure filled in; the connection is then already
- * discarded. While the circuit breaker is open, fails at once without
- * touching the network. An interrupt (cancel, statement_timeout) raises its
- * error from inside.
+ * freeReplyObject: rl_command_within with connect_timeout and
+ * command_timeout.
  */
 redisReply *
 rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
 		   RlFailure *failure)
 {
+	return rl_command_within(conn, argc, argv, argvlen, -1, failure);
+}
+
+/*
+ * Sends one command and returns its reply, which the caller must free with
+ * freeReplyObject. Opens the connection when needed, and first sends what
+ * a transaction end left queued and reads what it left unread; the
+ * connection may take connect_timeout and the rest command_timeout, or,
+ * with limit_ms >= 0, each at most limit_ms. On failure returns NULL with
+ * failure filled in; the connection is then already discarded. While the
+ * circuit breaker is open, fails at once without touching the network. An
+ * interrupt (cancel, statement_timeout) raises its error from inside.
+ */
+redisReply *
+rl_command_within(RlConn *conn, int argc, const char **argv,
+				  const size_t *argvlen, int limit_ms, RlFailure *failure)
+{
 	redisReply *reply = NULL;
 	TimestampTz deadline;
+	int			connect_ms = rl_connect_timeout;
+	int			command_ms = rl_command_timeout;
+
+	if (limit_ms >= 0)
+	{
+		limit_ms = Max(limit_ms, 1);
+		connect_ms = Min(connect_ms, limit_ms);
+		command_ms = command_ms > 0 ? Min(command_ms, limit_ms) : limit_ms;
+	}
 
 	conn->last_command_sent = false;
 	if (out.data == NULL)
@@ -1673,7 +1695,7 @@ rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
 		(conn->pending_replies == 0 && conn->queue_partial == 0 &&
 		 !rl_connection_alive(conn)))
 	{
-		bool		connected = rl_connect(conn, failure);
+		bool		connected = rl_connect(conn, connect_ms, failure);
 
 		/* AUTH, SELECT and ROLE were sent, not the command */
 		conn->last_command_sent = false;
@@ -1690,7 +1712,7 @@ rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
 	 * then, but the connection is kept, and the next call goes on with it
 	 * (never losing or repeating it).
 	 */
-	deadline = rl_deadline(rl_command_timeout);
+	deadline = rl_deadline(command_ms);
 	if (!rl_send_queue(conn, deadline, failure) ||
 		!rl_read_pending(conn, deadline, true, failure))
 	{
