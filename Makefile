@@ -5,12 +5,14 @@ MODULE_big = rl_redis
 OBJS = \
 	src/rl_redis.o \
 	src/guc.o \
+	src/stats.o \
 	src/transport.o \
 	src/breaker.o \
 	src/tls.o \
 	src/scripts.o \
 	src/router.o \
 	src/refund.o \
+	src/denials.o \
 	src/engine.o \
 	src/functions.o \
 	src/policy.o \

@@ -51,6 +51,10 @@ ADMIN_FUNCTIONS = [
     "rl_refund", "rl_reset",
     "rl_concurrency_acquire", "rl_concurrency_acquire_allow",
     "rl_guard", "rl_guard_statement", "rl_policy_changed",
+    # 1.4: statistics and who is being throttled
+    "rl_redis_stats_rows", "rl_redis_stats_scope", "rl_redis_stats_reset",
+    "rl_redis_rtt_bounds", "rl_redis_metrics", "rl_redis_connections",
+    "rl_top_denied",
 ]
 
 
@@ -361,7 +365,8 @@ def _check_trust_lists(funcs, table, how):
 
 def test_privileges_fresh_install_equal_upgrade(pg):
     """Item 2: the spec's two lists hold on a fresh install and after an
-    upgrade from 1.2, and both give exactly the same privileges."""
+    upgrade from 1.2 (to the current version), and both give exactly the
+    same privileges."""
     db = "rl_scratch_%s" % uid()
     pg.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
     try:
@@ -369,14 +374,14 @@ def test_privileges_fresh_install_equal_upgrade(pg):
             conn.execute("CREATE EXTENSION rl_redis")
             assert conn.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
-            ).fetchone()[0] == "1.3"
+            ).fetchone()[0] == "1.4"
             fresh = _privileges(conn)
             conn.execute("DROP EXTENSION rl_redis")
             conn.execute("CREATE EXTENSION rl_redis VERSION '1.2'")
             conn.execute("ALTER EXTENSION rl_redis UPDATE")
             assert conn.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
-            ).fetchone()[0] == "1.3"
+            ).fetchone()[0] == "1.4"
             upgraded = _privileges(conn)
         _check_trust_lists(*fresh, how="fresh install")
         _check_trust_lists(*upgraded, how="upgrade from 1.2")

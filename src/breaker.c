@@ -31,6 +31,7 @@ rl_breaker_open(RlBreaker *b, RlFailure *failure)
 	{
 		*failure = b->last_failure;
 		failure->first_in_outage = false;
+		failure->breaker_opened = false;
 		return true;
 	}
 	return false;
@@ -42,6 +43,7 @@ rl_breaker_failed(RlBreaker *b, RlFailure *failure)
 {
 	b->last_failure_at = GetCurrentTimestamp();
 	failure->first_in_outage = (b->outage_start == 0);
+	failure->breaker_opened = failure->first_in_outage;
 	if (b->outage_start == 0)
 		b->outage_start = b->last_failure_at;
 	b->last_failure = *failure;

@@ -220,9 +220,10 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	size_t		argvlen[8];
 	RlConn	   *conn;
 	redisReply *reply;
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	RlSlot	   *slot;
 	MemoryContext old;
+	TimestampTz start;
 
 	if (lease_ms > rl_max_lease)
 		ereport(ERROR,
@@ -267,6 +268,7 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	if (asking != NULL)
 		rl_free_slot(asking);
 	asking = slot;
+	start = rl_stats ? GetCurrentTimestamp() : 0;
 	reply = rl_call(key->data, key->len, &rl_script_concurrency, 8, argv,
 					argvlen, &conn, &failure);
 	asking = NULL;
@@ -277,12 +279,18 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 		if (conn != NULL && rl_command_was_sent(conn))
 			rl_queue_release(slot);
 		rl_free_slot(slot);
+		rl_stats_failed(key->data, key->len, &failure, true);
 		rl_apply_on_error(&failure, lim, 1, d);
+		rl_stats_decided(key->data, key->len, d, 1, 0);
 		return;
 	}
+	rl_stats_decided(key->data, key->len, d, 1,
+					 rl_stats ? GetCurrentTimestamp() - start : 0);
 	if (!d->allowed)
 	{
 		rl_free_slot(slot);
+		if (policy != NULL && rl_track_denials)
+			rl_note_denial(policy, identity);
 		return;
 	}
 	old = MemoryContextSwitchTo(TopMemoryContext);
@@ -350,7 +358,7 @@ rl_release_slot(const char *policy, text *identity)
 	size_t		argvlen[3];
 	RlConn	   *conn;
 	redisReply *reply;
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	bool		released;
 
 	initStringInfo(&owner);

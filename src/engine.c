@@ -285,6 +285,7 @@ rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 bad:
 	freeReplyObject(reply);
 	failure->first_in_outage = true;
+	failure->breaker_opened = false;
 	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
 	snprintf(failure->message, sizeof(failure->message),
 			 "unexpected reply from the rate-limit script at Redis %s",
@@ -295,12 +296,12 @@ bad:
 /*
  * Decides n charges that share one cluster slot in one script call: applied
  * to all or to none. Fills d with the most restrictive result and *index
- * with its charge (and each charge's clock and epoch). The charges carry
- * the refund scopes that by (who makes them) is given. False, with failure
- * filled in, when Redis gave no decision.
+ * with its charge (and each charge's clock and epoch). The charges are made
+ * under the refund scopes given ("" for none). False, with failure filled
+ * in, when Redis gave no decision.
  */
 static bool
-rl_decide_group(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
+rl_decide_group(RlCharge *charges, int n, const char *scopes, RlDecision *d,
 				int *index, RlFailure *failure)
 {
 	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 2 + 5 * n;
@@ -309,7 +310,7 @@ rl_decide_group(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 	char	   *numbers = palloc(n * 4 * 24 + 24);
 	char	   *num = numbers;
 	char		now_s[24];
-	const char *scopes = rl_refund_scopes(by);
+	TimestampTz start;
 	RlConn	   *conn;
 	redisReply *reply;
 	bool		ok;
@@ -349,6 +350,7 @@ rl_decide_group(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 	}
 	Assert(i == argc);
 
+	start = rl_stats ? GetCurrentTimestamp() : 0;
 	reply = rl_call(charges[0].key->data, charges[0].key->len,
 					&rl_script_check_all, argc, argv, argvlen, &conn, failure);
 	pfree(argv);
@@ -356,6 +358,20 @@ rl_decide_group(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 	pfree(numbers);
 	ok = reply != NULL &&
 		rl_parse_decision(conn, reply, d, charges, n, index, failure);
+	for (j = 0; j < n; j++)
+	{
+		if (ok)
+			rl_stats_decided(charges[j].key->data, charges[j].key->len, d,
+							 charges[j].cost,
+							 rl_stats ? GetCurrentTimestamp() - start : 0);
+		else
+		{
+			/* one outage is counted once, on the first key */
+			rl_stats_failed(charges[j].key->data, charges[j].key->len, failure,
+							j == 0);
+			charges[j].failed = true;
+		}
+	}
 	return ok;
 }
 
@@ -416,9 +432,9 @@ rl_tighter(const RlDecision *a, const RlDecision *b)
  * Keys of one cluster slot go in one script call, which is atomic. Keys in
  * several slots (a statement guard over many identities, in cluster mode)
  * are decided one slot after another, until one denies or fails; the units
- * taken in the slots before it are then given back by the abort that
- * follows (the callers raise on a denial), whatever refund_on_abort says.
- * Meanwhile another caller may see them taken.
+ * taken in the slots before it are then given back: by the abort that
+ * follows (the callers raise on a denial) when refund_on_abort covers them,
+ * else at once. Meanwhile another caller may see them taken.
  */
 bool
 rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
@@ -427,24 +443,42 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
 	RlSlotCharge *order;
 	RlCharge   *group;
-	bool		found = false;
-	bool		ok = true;
-	int			j;
+	RlCharge   *decided;
+	volatile int ndecided = 0;
+	bool		covered;
+	const char *scopes;
+	char		callscope[64];
+	volatile bool found = false;
+	volatile bool ok = true;
+	volatile int j;
+	volatile int size = 1;
 	int			k;
-	int			size;
 
+	for (j = 0; j < n; j++)
+		charges[j].failed = false;
 	for (j = 1; j < n; j++)
 		if (rl_route_slot(charges[j].key->data, charges[j].key->len) !=
 			rl_route_slot(charges[0].key->data, charges[0].key->len))
 			break;
 	if (j >= n)
 	{
-		if (!rl_decide_group(charges, n, by, d, index, failure))
+		if (!rl_decide_group(charges, n, rl_refund_scopes(by), d, index, failure))
 			return false;
 		if (d->allowed)
 			rl_remember_charges(charges, n, by);
 		return true;
 	}
+
+	/*
+	 * Several slots. When refund_on_abort covers the charges, they are made
+	 * under the transaction's scopes as usual, and remembered as each slot
+	 * allows (the abort that follows a denial, or an interrupt, gives them
+	 * back); else under a scope of the call's own, which is given back at
+	 * once when a slot denies or fails, or an interrupt ends the call.
+	 */
+	covered = rl_refund_covers(by);
+	scopes = covered ? rl_refund_scopes(by) : rl_refund_call_scope(callscope);
+	scopes = pstrdup(scopes);
 
 	order = palloc(sizeof(RlSlotCharge) * n);
 	for (j = 0; j < n; j++)
@@ -454,46 +488,64 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	}
 	qsort(order, n, sizeof(RlSlotCharge), rl_slot_charge_cmp);
 	group = palloc(sizeof(RlCharge) * n);
-	for (j = 0; j < n; j += size)
+	decided = palloc(sizeof(RlCharge) * n);
+	PG_TRY();
 	{
-		RlDecision	gd;
-		int			gi;
+		for (j = 0; j < n; j += size)
+		{
+			RlDecision	gd;
+			int			gi;
 
-		for (size = 1; j + size < n && order[j + size].slot == order[j].slot; size++)
-			;
-		for (k = 0; k < size; k++)
-			group[k] = charges[order[j + k].index];
-		ok = rl_decide_group(group, size, RL_BY_SPLIT, &gd, &gi, failure);
-		for (k = 0; ok && k < size; k++)
-		{
-			charges[order[j + k].index].stamp_us = group[k].stamp_us;
-			charges[order[j + k].index].epoch = group[k].epoch;
+			for (size = 1; j + size < n && order[j + size].slot == order[j].slot; size++)
+				;
+			for (k = 0; k < size; k++)
+				group[k] = charges[order[j + k].index];
+			ok = rl_decide_group(group, size, scopes, &gd, &gi, failure);
+			if (!ok)
+				break;
+			for (k = 0; k < size; k++)
+			{
+				charges[order[j + k].index].stamp_us = group[k].stamp_us;
+				charges[order[j + k].index].epoch = group[k].epoch;
+			}
+			if (!found || rl_tighter(&gd, d))
+			{
+				*d = gd;
+				*index = order[j + gi].index;
+				found = true;
+			}
+			if (!gd.allowed)
+				break;
+			if (covered)
+				rl_remember_charges(group, size, by);
+			else
+				memcpy(decided + ndecided, group, sizeof(RlCharge) * size);
+			ndecided += size;
 		}
-		if (ok && (!found || rl_tighter(&gd, d)))
-		{
-			*d = gd;
-			*index = order[j + gi].index;
-			found = true;
-		}
-		if (!ok || !gd.allowed)
-			break;
 	}
+	PG_CATCH();
+	{
+		/* an interrupt: what the slots before took goes back */
+		if (!covered)
+			rl_refund_call_end(callscope, decided, ndecided, true);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
 
-	/*
-	 * The slots decided before a denial or a failure are given back on the
-	 * abort that follows, whatever refund_on_abort says (their charges were
-	 * made with refund scopes for that); when every slot allowed, the
-	 * charges are remembered as an unsplit call's would be.
-	 */
-	for (k = 0; k < j; k++)
-		rl_remember_charge(charges[order[k].index].limit,
-						   charges[order[k].index].key,
-						   charges[order[k].index].cost,
-						   charges[order[k].index].stamp_us,
-						   charges[order[k].index].epoch,
-						   j < n ? RL_BY_SPLIT : by);
+	/* a failure: the group that failed and those not tried are its charges */
+	for (k = j; !ok && k < n; k++)
+	{
+		charges[order[k].index].failed = true;
+		if (k >= j + size)
+			rl_stats_failed(charges[order[k].index].key->data,
+							charges[order[k].index].key->len, failure, false);
+	}
+	if (!covered)
+		rl_refund_call_end(callscope, decided, ndecided, j < n);
 	pfree(order);
 	pfree(group);
+	pfree(decided);
+	pfree((char *) scopes);
 	return ok;
 }
 
@@ -519,9 +571,10 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 								   policy ? policy : rl_limit_suffix(limit, suffix));
 	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
 	const char *scopes = cost > 0 ? rl_refund_scopes(by) : "";
+	TimestampTz start;
 	RlConn	   *conn;
 	redisReply *reply;
-	RlFailure	failure;
+	RlFailure	failure = {0};
 
 	argv[2] = "1";
 	argvlen[2] = 1;
@@ -542,17 +595,39 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	argv[10] = scopes;
 	argvlen[10] = strlen(scopes);
 
+	start = rl_stats ? GetCurrentTimestamp() : 0;
 	reply = rl_call(key->data, key->len, &limit->algorithm->script, 11, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
 	{
+		rl_stats_failed(key->data, key->len, &failure, true);
 		rl_apply_on_error(&failure, limit->burst > 0 ? limit->burst : limit->lim,
 						  cost, d);
+		rl_stats_decided(key->data, key->len, d, cost, 0);
 		return;
 	}
+	rl_stats_decided(key->data, key->len, d, cost,
+					 rl_stats ? GetCurrentTimestamp() - start : 0);
 	if (d->allowed && cost > 0)
 		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by);
+	else if (!d->allowed && cost > 0 && policy != NULL && rl_track_denials)
+		rl_note_denial(policy, identity);
+}
+
+/*
+ * Counts, for the statistics, a several-keys call that rl_redis.on_error
+ * decided (d) after rl_decide_many failed: on the charges that failed.
+ */
+void
+rl_count_fallback(RlCharge *charges, int n, const RlDecision *d)
+{
+	int			j;
+
+	for (j = 0; j < n; j++)
+		if (charges[j].failed)
+			rl_stats_decided(charges[j].key->data, charges[j].key->len, d,
+							 charges[j].cost, 0);
 }
 
 /* Returns d as an rl_result datum. */

@@ -9,6 +9,7 @@
 #include "access/htup_details.h"
 #include "funcapi.h"
 #include "miscadmin.h"
+#include "mb/pg_wchar.h"
 #include "utils/builtins.h"
 #include "utils/timestamp.h"
 
@@ -326,4 +327,140 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 	values[0] = CStringGetTextDatum(servers.data);
 	values[1] = Float8GetDatum(worst);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
+}
+
+PG_FUNCTION_INFO_V1(rl_redis_connections);
+
+/*
+ * rl_redis_connections(): this backend's Redis connections: server, kind
+ * (server, master, sentinel), open or closed, the commands of transaction
+ * ends waiting, and while calls fail: since when, the last error and how
+ * long the circuit breaker still holds calls back.
+ */
+Datum
+rl_redis_connections(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	static const char *const kinds[] = {"server", "master", "sentinel"};
+	RlConnInfo	info;
+	int			n;
+
+	InitMaterializedSRF(fcinfo, 0);
+	for (n = 0; rl_conn_info(n, &info); n++)
+	{
+		Datum		values[7];
+		bool		nulls[7] = {0};
+
+		values[0] = CStringGetTextDatum(info.server);
+		values[1] = CStringGetTextDatum(kinds[info.kind]);
+		values[2] = CStringGetTextDatum(info.open ? "open" : "closed");
+		values[3] = Int32GetDatum(info.queued);
+		if (info.failing_since != 0)
+		{
+			values[4] = TimestampTzGetDatum(info.failing_since);
+			values[5] = CStringGetTextDatum(info.last_error);
+			values[6] = Int64GetDatum(info.retry_in_ms);
+		}
+		else
+			nulls[4] = nulls[5] = nulls[6] = true;
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	}
+	return (Datum) 0;
+}
+
+/* the most minutes rl_top_denied looks back (the buckets are kept a day) */
+#define RL_DENIAL_MINUTES 1441
+
+/* the most identities rl_top_denied returns */
+#define RL_DENIAL_TOP_MAX 10000
+
+PG_FUNCTION_INFO_V1(rl_top_denied);
+
+/*
+ * rl_top_denied(policy, since, n): the n identities most denied under
+ * policy since the minute since ago (at most a day), with their denials,
+ * most denied first, across every server sharing the Redis (counted with
+ * rl_redis.track_denials).
+ */
+Datum
+rl_top_denied(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	RlPolicy	policy;
+	Interval   *since;
+	double		since_us;
+	int32		n;
+	int			minutes;
+	RlConn	   *conn;
+	RlFailure	failure = {0};
+	redisReply *reply;
+
+	policy = rl_policy_arg(fcinfo, 0);
+	rl_check_not_null(fcinfo, 1, "since");
+	rl_check_not_null(fcinfo, 2, "n");
+	since = PG_GETARG_INTERVAL_P(1);
+	n = PG_GETARG_INT32(2);
+	if (n < 1 || n > RL_DENIAL_TOP_MAX)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("n must be between 1 and %d", RL_DENIAL_TOP_MAX)));
+	since_us = (double) since->month * DAYS_PER_MONTH * USECS_PER_DAY +
+		(double) since->day * USECS_PER_DAY + (double) since->time;
+	if (since_us < 0 || since_us > (double) USECS_PER_DAY)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("since must be between 0 and 1 day"),
+				 errdetail("The denials of each minute are kept a day.")));
+	/* the minutes that began since then, and the current one */
+	minutes = (int) (since_us / (60.0 * USECS_PER_SEC)) + 1;
+	minutes = Min(minutes, RL_DENIAL_MINUTES);
+
+	InitMaterializedSRF(fcinfo, 0);
+	reply = rl_denials_top(policy.name, minutes, n, &conn, &failure);
+	if (reply == NULL)
+		rl_raise(&failure);
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(conn, reply, &failure);
+		rl_raise(&failure);
+	}
+	PG_TRY();
+	{
+		size_t		i;
+
+		if (reply->type != REDIS_REPLY_ARRAY || reply->elements % 2 != 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_PROTOCOL_VIOLATION),
+					 errmsg("unexpected reply from the top-denials script at Redis %s",
+							rl_conn_name(conn))));
+		for (i = 0; i < reply->elements; i += 2)
+		{
+			redisReply *who = reply->element[i];
+			redisReply *count = reply->element[i + 1];
+			Datum		values[2];
+			bool		nulls[2] = {false, false};
+			char		num[32];
+			char	   *end;
+			double		v;
+
+			if (who->type != REDIS_REPLY_STRING || count->type != REDIS_REPLY_STRING ||
+				count->len == 0 || count->len >= sizeof(num) ||
+				!pg_verifymbstr(who->str, who->len, true))
+				continue;
+			memcpy(num, count->str, count->len);
+			num[count->len] = '\0';
+			v = strtod(num, &end);
+			if (*end != '\0' || !(v >= 0 && v < 9.0e15))
+				continue;
+			values[0] = PointerGetDatum(cstring_to_text_with_len(who->str, who->len));
+			values[1] = Int64GetDatum((int64) v);
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+		}
+	}
+	PG_FINALLY();
+	{
+		freeReplyObject(reply);
+	}
+	PG_END_TRY();
+	return (Datum) 0;
 }

@@ -686,7 +686,7 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	int			readptr;
 	int			worst;
 	RlDecision	d;
-	RlFailure	failure;
+	RlFailure	failure = {0};
 
 	if (!TRIGGER_FIRED_FOR_STATEMENT(trigdata->tg_event) ||
 		!TRIGGER_FIRED_AFTER(trigdata->tg_event) || rows == NULL)
@@ -780,6 +780,7 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	if (!rl_decide_many(charges, n, true, &d, &worst, &failure))
 	{
 		rl_apply_on_error(&failure, guard->limit.lim, 0, &d);
+		rl_count_fallback(charges, n, &d);
 		worst = 0;
 	}
 	if (!d.allowed)

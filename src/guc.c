@@ -45,6 +45,8 @@ double		rl_test_clock_ms = 0;
 int			rl_max_lease = 3600000;
 int			rl_sliding_max_lim = 10000;
 bool		rl_tls = false;
+bool		rl_stats = true;
+bool		rl_track_denials = false;
 char	   *rl_tls_ca_file = NULL;
 char	   *rl_tls_cert_file = NULL;
 char	   *rl_tls_key_file = NULL;
@@ -624,6 +626,24 @@ rl_define_gucs(void)
 							   PGC_SUSET,
 							   0,
 							   check_key_prefix, NULL, NULL);
+
+	DefineCustomBoolVariable("rl_redis.stats",
+							 "Whether decisions are counted in the rl_redis_stats view.",
+							 NULL,
+							 &rl_stats,
+							 true,
+							 PGC_SUSET,
+							 0,
+							 NULL, NULL, NULL);
+
+	DefineCustomBoolVariable("rl_redis.track_denials",
+							 "Whether denials of policies are counted per identity in Redis, for rl_top_denied.",
+							 "Each denied call of a policy costs one more Redis call.",
+							 &rl_track_denials,
+							 false,
+							 PGC_SUSET,
+							 0,
+							 NULL, NULL, NULL);
 
 	DefineCustomEnumVariable("rl_redis.on_error",
 							 "What a decision returns when Redis cannot be reached or fails.",

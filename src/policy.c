@@ -322,7 +322,7 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 	int			npolicies = 0;
 	RlCharge   *charges;
 	int			worst;
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	int			i,
 				j;
 
@@ -372,7 +372,10 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 		charges[j].cost = cost;
 	}
 	if (!rl_decide_many(charges, npolicies, false, d, &worst, &failure))
+	{
 		rl_apply_on_error(&failure, policies[0].limit.lim, cost, d);
+		rl_count_fallback(charges, npolicies, d);
+	}
 }
 
 PG_FUNCTION_INFO_V1(rl_check_all);

@@ -83,15 +83,11 @@ static uint32 backend_tag = 0;
 /* the scopes argument of the last call, "id1,id2,..." */
 static StringInfoData scopes_arg;
 
-/*
- * True when a charge made by whom is given back on abort: as
- * refund_on_abort says for guards and other calls; always for a charge of a
- * call split across cluster slots, whose all-or-nothing rests on it.
- */
+/* True when refund_on_abort covers a charge made by whom. */
 static bool
 rl_refund_wanted(RlChargeBy by)
 {
-	return by == RL_BY_SPLIT || rl_refund_on_abort == RL_REFUND_ALL ||
+	return rl_refund_on_abort == RL_REFUND_ALL ||
 		(by == RL_BY_GUARD && rl_refund_on_abort == RL_REFUND_GUARDS);
 }
 
@@ -373,6 +369,8 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 			int64		values[8];
 			int			k;
 
+			rl_stats_refunded(p->key.data, p->key.len, p->units + p->prev);
+
 			argv[i] = p->limit.algorithm->name;
 			argvlen[i++] = strlen(p->limit.algorithm->name);
 			values[0] = p->limit.lim;
@@ -427,10 +425,41 @@ rl_slotted_cmp(const void *a, const void *b)
 }
 
 /*
- * Queues the script calls for the scope's entries that rl_scope_wants, at
- * most RL_REFUND_BATCH keys each, so that no one call holds Redis long, and
- * in cluster mode the keys of one slot each (a script's keys must share
- * one), on the connection their charges went to.
+ * Queues the script calls for the n entries of slotted (palloc'd; sorted
+ * here) of scope, at most RL_REFUND_BATCH keys each, so that no one call
+ * holds Redis long, and in cluster mode the keys of one slot each (a
+ * script's keys must share one), on the connection their charges went to.
+ * parents: the ids of the enclosing scopes, joined with ','.
+ */
+static void
+rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
+				 bool idempotent, RlSlotted *slotted, long n,
+				 const char *parents)
+{
+	RlPending **list;
+	long		j;
+	long		batch;
+
+	if (n > 1)
+		qsort(slotted, n, sizeof(RlSlotted), rl_slotted_cmp);
+	list = palloc(sizeof(RlPending *) * (n + 1));
+	for (j = 0; j < n; j++)
+		list[j] = slotted[j].p;
+	for (j = 0; j < n; j += batch)
+	{
+		/* the run of keys of one slot, at most RL_REFUND_BATCH */
+		for (batch = 1; j + batch < n && batch < RL_REFUND_BATCH &&
+			 slotted[j + batch].slot == slotted[j].slot; batch++)
+			;
+		rl_scope_queue_batch(scope, script, refund, idempotent, list + j,
+							 (int) batch, parents);
+	}
+	pfree(list);
+}
+
+/*
+ * Queues the script calls for the scope's entries that rl_scope_wants
+ * (see rl_queue_entries).
  */
 static void
 rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
@@ -438,11 +467,8 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 {
 	HASH_SEQ_STATUS seq;
 	RlPending  *p;
-	RlPending **list;
 	RlSlotted  *slotted;
 	long		n = 0;
-	long		j;
-	long		batch;
 	StringInfoData parents;
 	RlScope    *s;
 	MemoryContext old;
@@ -458,11 +484,6 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 			slotted[n].slot = rl_route_slot(p->key.data, p->key.len);
 			slotted[n++].p = p;
 		}
-	if (n > 1)
-		qsort(slotted, n, sizeof(RlSlotted), rl_slotted_cmp);
-	list = palloc(sizeof(RlPending *) * (n + 1));
-	for (j = 0; j < n; j++)
-		list[j] = slotted[j].p;
 	initStringInfo(&parents);
 	for (s = scope->parent; s != NULL; s = s->parent)
 	{
@@ -470,19 +491,88 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 			appendStringInfoChar(&parents, ',');
 		appendStringInfoString(&parents, s->id);
 	}
-	for (j = 0; j < n; j += batch)
-	{
-		/* the run of keys of one slot, at most RL_REFUND_BATCH */
-		for (batch = 1; j + batch < n && batch < RL_REFUND_BATCH &&
-			 slotted[j + batch].slot == slotted[j].slot; batch++)
-			;
-		rl_scope_queue_batch(scope, script, refund, idempotent, list + j,
-							 (int) batch, parents.data);
-	}
-	pfree(list);
+	rl_queue_entries(scope, script, refund, idempotent, slotted, n, parents.data);
 	pfree(slotted);
 	pfree(parents.data);
 	MemoryContextSwitchTo(old);
+}
+
+/*
+ * True when refund_on_abort gives back, on abort, a charge made now by
+ * whom.
+ */
+bool
+rl_refund_covers(RlChargeBy by)
+{
+	return rl_refund_wanted(by) && IsTransactionState();
+}
+
+/*
+ * Writes into buf (64 bytes) and returns a refund scope id of its own for
+ * one call split across cluster slots whose charges refund_on_abort does
+ * not cover ("<tag>.<pid>.<n>", like a transaction's), so that the records
+ * its charges leave in Redis are its own.
+ */
+const char *
+rl_refund_call_scope(char *buf)
+{
+	if (backend_tag == 0)
+		backend_tag = pg_prng_uint32(&pg_global_prng_state) | 1;
+	snprintf(buf, 64, "%x.%x.%llx", backend_tag, (unsigned int) MyProcPid,
+			 (unsigned long long) ++scope_counter);
+	return buf;
+}
+
+/*
+ * Queues, for the n charges that a split call made under its own scope id
+ * (rl_refund_call_scope), their refund (give_back: a later slot denied, so
+ * the call takes nothing) or the removal of their records (the call was
+ * allowed and nothing will give them back).
+ */
+void
+rl_refund_call_end(const char *id, RlCharge *charges, int n, bool give_back)
+{
+	RlScope		scope;
+	RlPending  *entries = palloc0(sizeof(RlPending) * Max(n, 1));
+	RlSlotted  *slotted = palloc(sizeof(RlSlotted) * Max(n, 1));
+	int			pass;
+	int			j;
+
+	memset(&scope, 0, sizeof(scope));
+	strlcpy(scope.id, id, sizeof(scope.id));
+	scope.cxt = CurrentMemoryContext;
+	for (j = 0; j < n; j++)
+	{
+		RlPending  *p = &entries[j];
+
+		p->key.data = charges[j].key->data;
+		p->key.len = charges[j].key->len;
+		p->limit = *charges[j].limit;
+		p->window = charges[j].stamp_us / (p->limit.window_ms * 1000);
+		p->units = charges[j].cost;
+		p->epoch = charges[j].epoch;
+		p->first = charges[j].stamp_us;
+		p->server = rl_server_generation();
+	}
+	/* a refund in two calls (may or may not be sent twice), or the forget */
+	for (pass = 0; pass < (give_back ? 2 : 1); pass++)
+	{
+		long		count = 0;
+
+		for (j = 0; j < n; j++)
+			if (entries[j].units > 0 &&
+				rl_scope_wants(&entries[j], give_back, pass == 0))
+			{
+				slotted[count].slot = rl_route_slot(entries[j].key.data,
+													entries[j].key.len);
+				slotted[count++].p = &entries[j];
+			}
+		rl_queue_entries(&scope, give_back ? &rl_script_refund : &rl_script_forget,
+						 give_back, give_back ? pass == 0 : true, slotted,
+						 count, "");
+	}
+	pfree(entries);
+	pfree(slotted);
 }
 
 /*

@@ -17,6 +17,7 @@ void
 _PG_init(void)
 {
 	rl_define_gucs();
+	rl_stats_init();
 	rl_transport_init();
 	rl_policy_init();
 	rl_concurrency_init();

@@ -7,6 +7,8 @@
  * src/algorithms.h   the table of algorithms, one line each, read by the C
  *                    files and by src/embed_lua.sh
  * src/guc.c          the rl_redis.* settings
+ * src/stats.c        counters of the decisions per database and policy
+ *                    (shared memory when preloaded) and their SQL functions
  * src/breaker.c      the circuit breaker of one connection
  * src/tls.c          TLS of one connection (OpenSSL, never waits itself)
  * src/transport.c    the per-backend cache of connections (RlConn, by
@@ -18,6 +20,8 @@
  *                    master of its Redis Cluster slot (MOVED, ASK,
  *                    TRYAGAIN), or the master the sentinels name
  * src/refund.c       giving back what an aborted (sub)transaction took
+ * src/denials.c      who is being throttled: denials per identity and
+ *                    minute in Redis (rl_redis.track_denials), rl_top_denied
  * src/engine.c       the decision engine: arguments, keys, script call,
  *                    reply, rl_result, on_error; a several-keys call is
  *                    split per cluster slot
@@ -115,6 +119,8 @@ extern double rl_test_clock_ms;
 extern int	rl_max_lease;
 extern int	rl_sliding_max_lim;
 extern bool rl_tls;
+extern bool rl_stats;
+extern bool rl_track_denials;
 extern char *rl_tls_ca_file;
 extern char *rl_tls_cert_file;
 extern char *rl_tls_key_file;
@@ -146,6 +152,7 @@ typedef struct RlFailure
 {
 	int			sqlerrcode;
 	bool		first_in_outage;	/* the failure that began an outage */
+	bool		breaker_opened; /* it opened the circuit breaker */
 	char		message[512];
 } RlFailure;
 
@@ -197,7 +204,20 @@ typedef enum RlConnKind
 	RL_CONN_SENTINEL			/* a sentinel: AUTH with sentinel_password */
 } RlConnKind;
 
+/* What rl_redis_connections shows of a connection. */
+typedef struct RlConnInfo
+{
+	char		server[RL_ADDRESS_LEN];
+	RlConnKind	kind;
+	bool		open;
+	int			queued;			/* commands of transaction ends waiting */
+	TimestampTz failing_since;	/* 0: its last call reached Redis */
+	int64		retry_in_ms;	/* while the breaker holds calls back */
+	char		last_error[512];
+} RlConnInfo;
+
 extern void rl_transport_init(void);
+extern bool rl_conn_info(int n, RlConnInfo *info);
 extern RlConn *rl_conn_get(void);
 extern RlConn *rl_conn_at(const char *host, int port, RlConnKind kind);
 extern void rl_servers_changed(const char *why);
@@ -252,6 +272,8 @@ extern const RlScript rl_script_check_all;
 extern const RlScript rl_script_refund;
 extern const RlScript rl_script_forget;
 extern const RlScript rl_script_concurrency;
+extern const RlScript rl_script_denial_note;
+extern const RlScript rl_script_denial_top;
 
 /* argv[0] and argv[1] are left for rl_run_script to fill in */
 #define RL_SCRIPT_ARGV_RESERVED 2
@@ -275,6 +297,11 @@ extern redisReply *rl_call(const char *key, size_t keylen,
 						   size_t *argvlen, RlConn **connp,
 						   RlFailure *failure);
 
+/* who is being throttled (denials.c) */
+extern void rl_note_denial(const char *policy, text *identity);
+extern redisReply *rl_denials_top(const char *policy, int minutes, int32 n,
+								  RlConn **connp, RlFailure *failure);
+
 /* the decision engine (engine.c) */
 /* One decision, as the scripts return it. */
 typedef struct RlDecision
@@ -288,6 +315,38 @@ typedef struct RlDecision
 	int64		epoch;			/* the key's epoch (fixed, sliding_counter) */
 	bool		from_redis;		/* false: rl_redis.on_error decided */
 } RlDecision;
+
+/* statistics (stats.c) */
+
+/* the buckets of the round-trip histogram (bounds in stats.c) */
+#define RL_RTT_BUCKETS 15
+
+/* The counters of one database and policy. */
+typedef struct RlCounters
+{
+	int64		calls;			/* allowed + denied + errors */
+	int64		allowed;
+	int64		denied;
+	int64		units_taken;
+	int64		units_refunded;
+	int64		errors;
+	int64		errors_connection;
+	int64		errors_timeout;
+	int64		errors_reply;
+	int64		errors_protocol;
+	int64		fallback_allow;
+	int64		fallback_deny;
+	int64		outages;		/* failures that began an outage */
+	int64		rtt[RL_RTT_BUCKETS];
+	int64		rtt_sum_us;
+} RlCounters;
+
+extern void rl_stats_init(void);
+extern void rl_stats_decided(const char *key, size_t len, const RlDecision *d,
+							 int32 cost, int64 rtt_us);
+extern void rl_stats_failed(const char *key, size_t len,
+							const RlFailure *failure, bool count_outage);
+extern void rl_stats_refunded(const char *key, size_t len, int64 units);
 
 /*
  * The longest window (and lease): 100 years. Longer ones would push the
@@ -338,6 +397,7 @@ typedef struct RlCharge
 	int32		cost;			/* < 0 gives units back */
 	int64		stamp_us;		/* filled in: the clock it was decided on */
 	int64		epoch;			/* filled in: the key's epoch */
+	bool		failed;			/* filled in: Redis gave it no decision */
 } RlCharge;
 
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
@@ -347,6 +407,7 @@ extern bool rl_decide_many(RlCharge *charges, int n, bool by_guard,
 						   RlDecision *d, int *index, RlFailure *failure);
 extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
+extern void rl_count_fallback(RlCharge *charges, int n, const RlDecision *d);
 extern void rl_raise(const RlFailure *failure);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);
@@ -371,15 +432,18 @@ extern RlLimit rl_policy_find(FunctionCallInfo fcinfo, const char *name);
 typedef enum RlChargeBy
 {
 	RL_BY_CALL,					/* a decision function */
-	RL_BY_GUARD,				/* rl_guard or rl_guard_statement */
-	RL_BY_SPLIT					/* a call split across cluster slots */
+	RL_BY_GUARD					/* rl_guard or rl_guard_statement */
 } RlChargeBy;
 
 extern void rl_refund_init(void);
 extern const char *rl_refund_scopes(RlChargeBy by);
+extern bool rl_refund_covers(RlChargeBy by);
+extern const char *rl_refund_call_scope(char *buf);
 extern void rl_remember_charge(const RlLimit *limit, StringInfo key,
 							   int32 cost, int64 stamp_us, int64 epoch,
 							   RlChargeBy by);
+extern void rl_refund_call_end(const char *id, RlCharge *charges, int n,
+							   bool give_back);
 
 /* concurrency limits (concurrency.c) */
 extern void rl_concurrency_init(void);

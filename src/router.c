@@ -146,6 +146,7 @@ rl_router_forget(void)
 		memset(slot_node, 0, sizeof(uint16) * RL_SLOTS);
 	map_loaded = false;
 	map_stale = false;
+	map_fetched_at = 0;
 	master_conn = NULL;
 	master_stale = false;
 }
@@ -362,11 +363,42 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 		}
 	}
 	pfree(first_slot);
-	memcpy(slot_node, map, sizeof(uint16) * RL_SLOTS);
+
+	/* keep only the nodes of the new map, in the order of their slots */
+	{
+		int		   *remap = palloc(sizeof(int) * nnodes);
+		RlNode	   *kept = palloc(sizeof(RlNode) * Max(nnodes, 1));
+		int			count = 0;
+
+		for (i = 0; i < (size_t) nnodes; i++)
+			remap[i] = -1;
+		for (i = 0; i < RL_SLOTS; i++)
+		{
+			int			index = map[i] - 1;
+
+			if (index < 0)
+				continue;
+			if (remap[index] < 0)
+			{
+				remap[index] = count;
+				kept[count++] = nodes[index];
+			}
+			slot_node[i] = (uint16) (remap[index] + 1);
+		}
+		for (i = 0; i < RL_SLOTS; i++)
+			if (map[i] == 0)
+				slot_node[i] = 0;
+		memcpy(nodes, kept, sizeof(RlNode) * count);
+		nnodes = count;
+		pfree(remap);
+		pfree(kept);
+	}
 	pfree(map);
 	return true;
 
 bad:
+	/* the nodes this reply added go with it */
+	nnodes = old_nodes;
 	pfree(map);
 	return false;
 }
@@ -397,6 +429,7 @@ rl_cluster_refresh(RlFailure *failure)
 	int			known = nnodes;
 	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
 													   rl_connect_timeout);
+	int			left;
 	int			pass;
 	int			i;
 
@@ -405,9 +438,11 @@ rl_cluster_refresh(RlFailure *failure)
 										   sizeof(uint16) * RL_SLOTS);
 	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 	failure->first_in_outage = true;
+	failure->breaker_opened = false;
 	snprintf(failure->message, sizeof(failure->message),
 			 "no Redis Cluster node to ask for the slot map");
 	/* pass 0: masters known; 1: seeds; 2: the other nodes known */
+	left = known + nseeds;
 	for (pass = 0; pass < 3; pass++)
 		for (i = 0; i < (pass == 1 ? nseeds : known); i++)
 		{
@@ -421,6 +456,7 @@ rl_cluster_refresh(RlFailure *failure)
 				continue;
 			if (GetCurrentTimestamp() >= deadline)
 				goto out;
+			left--;
 			if (pass == 1)
 			{
 				strlcpy(host, seeds[i].host, sizeof(host));
@@ -431,9 +467,10 @@ rl_cluster_refresh(RlFailure *failure)
 				strlcpy(host, nodes[i].host, sizeof(host));
 				conn = nodes[i].conn;
 			}
+			/* each node left gets an equal share of what is left */
 			reply = rl_command_within(conn, 2, argv, argvlen,
 									  (int) Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
-																				deadline), 1),
+																				deadline) / (left + 1), 1),
 									  failure);
 			if (reply == NULL)
 				continue;
@@ -482,6 +519,7 @@ rl_sentinel_discover(RlFailure *failure)
 
 	master_checked_at = GetCurrentTimestamp();
 	failure->first_in_outage = true;
+	failure->breaker_opened = false;
 	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 	if (rl_sentinel_master[0] == '\0')
 	{
@@ -504,9 +542,10 @@ rl_sentinel_discover(RlFailure *failure)
 		long long	port;
 		RlConn	   *found;
 
+		/* each sentinel left gets an equal share of what is left */
 		reply = rl_command_within(conn, 3, argv, argvlen,
 								  (int) Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
-																			deadline), 1),
+																			deadline) / (nseeds - n), 1),
 								  failure);
 		if (reply == NULL)
 			continue;
@@ -541,6 +580,8 @@ rl_sentinel_discover(RlFailure *failure)
 		sentinel_first = i;
 		return true;
 	}
+	/* none answered: the next round begins with the next one */
+	sentinel_first = (sentinel_first + 1) % Max(nseeds, 1);
 	return false;
 }
 
@@ -581,9 +622,9 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 	}
 	else
 	{
-		if (may_ask && (!map_loaded ||
-						(map_stale && GetCurrentTimestamp() >=
-						 TimestampTzPlusMilliseconds(map_fetched_at, RL_REFRESH_MS))))
+		if (may_ask && (!map_loaded || map_stale) &&
+			GetCurrentTimestamp() >= TimestampTzPlusMilliseconds(map_fetched_at,
+																 RL_REFRESH_MS))
 		{
 			may_ask = false;
 			(void) rl_cluster_refresh(failure);
@@ -611,7 +652,10 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 	}
 	/* one warning per outage (on_error allow or deny), not one per call */
 	if (conn == NULL)
+	{
 		failure->first_in_outage = !route_outage;
+		failure->breaker_opened = false;
+	}
 	route_outage = (conn == NULL);
 	return conn;
 }
@@ -676,6 +720,7 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 	{
 		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
 		failure->first_in_outage = true;
+		failure->breaker_opened = false;
 		snprintf(failure->message, sizeof(failure->message),
 				 "no Redis Cluster node serves any hash slot");
 		return -1;

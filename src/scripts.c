@@ -29,6 +29,8 @@ const RlScript rl_script_check_all = {RL_LUA_CHECK_ALL, RL_LUA_CHECK_ALL_SHA};
 const RlScript rl_script_refund = {RL_LUA_REFUND, RL_LUA_REFUND_SHA};
 const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA};
 const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA};
+const RlScript rl_script_denial_note = {RL_LUA_DENIAL_NOTE, RL_LUA_DENIAL_NOTE_SHA};
+const RlScript rl_script_denial_top = {RL_LUA_DENIAL_TOP, RL_LUA_DENIAL_TOP_SHA};
 
 /*
  * Runs script on conn with the arguments in argv[2..argc-1] (numkeys, keys, args)

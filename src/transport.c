@@ -277,6 +277,7 @@ void
 rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 {
 	failure->first_in_outage = true;
+	failure->breaker_opened = false;
 	/* Redis 7 refuses commands of more than 10 words before AUTH */
 	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
 		strncmp(reply->str, "WRONGPASS", 9) == 0 ||
@@ -346,6 +347,38 @@ RlConn *
 rl_conn_at(const char *host, int port, RlConnKind kind)
 {
 	return rl_conn_lookup(host, port, kind);
+}
+
+/*
+ * Fills info with the state of this backend's n-th connection (0-based);
+ * false when there are not that many.
+ */
+bool
+rl_conn_info(int n, RlConnInfo *info)
+{
+	RlConn	   *conn;
+
+	for (conn = conn_list; conn != NULL && n > 0; conn = conn->next)
+		n--;
+	if (conn == NULL)
+		return false;
+	memset(info, 0, sizeof(*info));
+	strlcpy(info->server, conn->address, sizeof(info->server));
+	info->kind = conn->kind;
+	info->open = conn->ready && conn->sock != PGINVALID_SOCKET;
+	info->queued = conn->queue_count;
+	if (conn->breaker.outage_start != 0)
+	{
+		info->failing_since = conn->breaker.outage_start;
+		strlcpy(info->last_error, conn->breaker.last_failure.message,
+				sizeof(info->last_error));
+		if (rl_retry_interval > 0)
+			info->retry_in_ms =
+				Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+													TimestampTzPlusMilliseconds(conn->breaker.last_failure_at,
+																				rl_retry_interval)), 0);
+	}
+	return true;
 }
 
 /* The host name (or address, or socket path) conn was made for. */
@@ -1312,6 +1345,10 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	int			port;
 	RlConn	   *target;
 	size_t		from = rl_queue_offset(conn, k);
+	size_t		len;
+	char	   *copy;
+	bool		idempotent;
+	uint8		tries;
 
 	if (rl_mode != RL_MODE_CLUSTER || conn->queue_tries[k] >= RL_MAX_REQUEUE)
 		return false;
@@ -1335,9 +1372,14 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 
 		rl_queue_push(target, 1, argv, argvlen, NULL, 0, true, 0);
 	}
-	rl_queue_push(target, 0, NULL, NULL, conn->queue.data + from,
-				  conn->queue_ends[k] - from, conn->queue_idempotent[k],
-				  conn->queue_tries[k]);
+	/* a copy: pushing trims conn's queue when target is conn */
+	len = conn->queue_ends[k] - from;
+	copy = palloc(len);
+	memcpy(copy, conn->queue.data + from, len);
+	idempotent = conn->queue_idempotent[k];
+	tries = conn->queue_tries[k];
+	rl_queue_push(target, 0, NULL, NULL, copy, len, idempotent, tries);
+	pfree(copy);
 	return true;
 }
 

@@ -1,0 +1,167 @@
+/*
+ * denials.c
+ *	  Who is being throttled: with rl_redis.track_denials, every denial of a
+ *	  policy is counted per identity in Redis, in one sorted set per policy
+ *	  and minute (<prefix>denials:{<policy>}:<minute>, kept a day, at most
+ *	  10 000 identities each), so that every server sharing that Redis adds
+ *	  to the same counts; rl_top_denied (functions.c) reads them back.
+ *
+ * The count is written only when a call is denied: one more Redis call on
+ * that path, none on the others. A failure to count is not an error of the
+ * decision: it is logged once per outage and the decision stands. The
+ * minute is this server's (or the test clock's); an identity longer than
+ * RL_DENIAL_IDENTITY bytes is counted as its beginning and a hash of it.
+ */
+#include "postgres.h"
+
+#include "common/hashfn.h"
+#include "mb/pg_wchar.h"
+#include "utils/builtins.h"
+#include "utils/timestamp.h"
+
+#include "rl_redis.h"
+
+/* the longest identity counted as it is */
+#define RL_DENIAL_IDENTITY 128
+
+/* whether the last failure to count a denial was logged */
+static bool note_failed = false;
+
+/* The current minute since the epoch: of the test clock, or of this server. */
+static int64
+rl_denial_minute(void)
+{
+	if (rl_test_clock_ms > 0)
+		return (int64) (rl_test_clock_ms / 60000.0);
+	return (GetCurrentTimestamp() +
+			(int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY) /
+		(60 * USECS_PER_SEC);
+}
+
+/* Appends <prefix>denials:{<policy>}:<minute> to buf. */
+static void
+rl_denials_key(StringInfo buf, const char *policy, int64 minute)
+{
+	appendStringInfo(buf, "%sdenials:{%s}:" INT64_FORMAT, rl_key_prefix, policy,
+					 minute);
+}
+
+/*
+ * Counts a denial of identity under policy (rl_redis.track_denials). Never
+ * raises for Redis's sake (an interrupt still ends the wait).
+ */
+void
+rl_note_denial(const char *policy, text *identity)
+{
+	StringInfoData key;
+	StringInfoData member;
+	const char *id = VARDATA_ANY(identity);
+	int			len = VARSIZE_ANY_EXHDR(identity);
+	int64		minute = rl_denial_minute();
+	const char *argv[7];
+	size_t		argvlen[7];
+	char		minute_s[24],
+				now_s[24];
+	RlConn	   *conn;
+	RlFailure	failure = {0};
+	redisReply *reply;
+
+	initStringInfo(&key);
+	rl_denials_key(&key, policy, minute);
+	initStringInfo(&member);
+	if (len <= RL_DENIAL_IDENTITY)
+		appendBinaryStringInfo(&member, id, len);
+	else
+	{
+		/* its beginning, cut at a character, and a hash of the whole */
+		appendBinaryStringInfo(&member, id, pg_mbcliplen(id, len, 100));
+		appendStringInfo(&member, "...#%016llx",
+						 (unsigned long long) hash_bytes_extended((const unsigned char *) id,
+																  len, 0));
+	}
+	argv[2] = "1";
+	argvlen[2] = 1;
+	argv[3] = key.data;
+	argvlen[3] = key.len;
+	argv[4] = member.data;
+	argvlen[4] = member.len;
+	argv[5] = minute_s;
+	argvlen[5] = pg_lltoa(minute, minute_s);
+	argv[6] = now_s;
+	argvlen[6] = rl_clock_arg(now_s);
+	reply = rl_call(key.data, key.len, &rl_script_denial_note, 7, argv, argvlen,
+					&conn, &failure);
+	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(conn, reply, &failure);
+		reply = NULL;
+	}
+	if (reply == NULL)
+	{
+		if (!note_failed)
+			ereport(WARNING,
+					(errcode(failure.sqlerrcode),
+					 errmsg("could not count a denial of policy \"%s\" for rl_top_denied", policy),
+					 errdetail_internal("%s", failure.message)));
+		note_failed = true;
+	}
+	else
+	{
+		note_failed = false;
+		freeReplyObject(reply);
+	}
+	pfree(key.data);
+	pfree(member.data);
+}
+
+/*
+ * Asks Redis for the n identities most denied under policy in the last
+ * minutes (the current one included): returns the reply (identity, count,
+ * identity, count ...; the caller frees it) with *connp the connection that
+ * answered, or NULL with failure filled in.
+ */
+redisReply *
+rl_denials_top(const char *policy, int minutes, int32 n, RlConn **connp,
+			   RlFailure *failure)
+{
+	int64		minute = rl_denial_minute();
+	int			nkeys = minutes + 1;
+	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + nkeys + 1;
+	const char **argv = palloc(sizeof(char *) * argc);
+	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
+	StringInfoData keys;
+	int		   *ends = palloc(sizeof(int) * nkeys);
+	char		nkeys_s[16],
+				n_s[16];
+	redisReply *reply;
+	int			i;
+
+	/* the keys, one after another in one buffer */
+	initStringInfo(&keys);
+	for (i = 0; i < minutes; i++)
+	{
+		rl_denials_key(&keys, policy, minute - minutes + 1 + i);
+		ends[i] = keys.len;
+	}
+	appendStringInfo(&keys, "%sdenials:{%s}:top", rl_key_prefix, policy);
+	ends[minutes] = keys.len;
+
+	argv[2] = nkeys_s;
+	argvlen[2] = pg_ltoa(nkeys, nkeys_s);
+	for (i = 0; i < nkeys; i++)
+	{
+		int			from = i == 0 ? 0 : ends[i - 1];
+
+		argv[3 + i] = keys.data + from;
+		argvlen[3 + i] = ends[i] - from;
+	}
+	argv[3 + nkeys] = n_s;
+	argvlen[3 + nkeys] = pg_ltoa(n, n_s);
+	reply = rl_call(argv[3], argvlen[3], &rl_script_denial_top, argc, argv,
+					argvlen, connp, failure);
+	pfree(argv);
+	pfree(argvlen);
+	pfree(ends);
+	pfree(keys.data);
+	return reply;
+}
