@@ -10,11 +10,15 @@ packages=(
 	postgresql-server-dev-15
 	libhiredis-dev
 	libssl-dev
+	# the Debian package (sql_tests/test_deb.sh, dpkg-buildpackage)
+	debhelper
+	postgresql-server-dev-all
 	openssl
 	redis-server
 	redis-tools
 	python3-psycopg
 	python3-pytest
+	pgbouncer
 )
 
 missing=()

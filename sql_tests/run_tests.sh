@@ -22,6 +22,9 @@ fi
 echo "== concurrency and fault tests (pytest)"
 /usr/bin/python3 -m pytest -q -p no:cacheprovider sql_tests || failed+=(pytest)
 
+echo "== Debian package (sql_tests/test_deb.sh)"
+bash sql_tests/test_deb.sh || failed+=(deb)
+
 if [ ${#failed[@]} -gt 0 ]; then
 	echo "FAILED suites: ${failed[*]}"
 	exit 1
