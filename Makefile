@@ -56,6 +56,7 @@ demo:
 bench:
 	bash sql_tests/bench.sh
 	bash sql_tests/bench_cluster.sh
+	bash sql_tests/bench_stats.sh
 	bash sql_tests/bench_guard.sh
 	bash sql_tests/bench_breaker.sh
 	bash sql_tests/bench_refund_memory.sh
