@@ -111,7 +111,8 @@ END;
 -- this backend's connections to Redis
 CREATE FUNCTION @extschema@.rl_redis_connections(
     OUT server text, OUT kind text, OUT state text, OUT queued integer,
-    OUT failing_since timestamptz, OUT last_error text, OUT retry_in_ms bigint)
+    OUT failing_since timestamptz, OUT last_error text, OUT retry_in_ms bigint,
+    OUT mode text, OUT scripts_loaded integer, OUT scripts integer)
 RETURNS SETOF record
 AS 'MODULE_PATHNAME', 'rl_redis_connections'
 LANGUAGE C VOLATILE PARALLEL RESTRICTED;

@@ -736,7 +736,9 @@ def test_connections(pg, shared_redis_port):
         assert conn.execute("SELECT * FROM rl_redis_connections()").fetchall() == []
         assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)", (new_ident("stconn"),)).fetchone()[0] is True
         rows = conn.execute("SELECT * FROM rl_redis_connections()").fetchall()
-        assert rows == [("127.0.0.1:%d" % shared_redis_port, "server", "open", 0, None, None, None)]
+        # the script of the fixed window ran there: 1 of the 11 scripts is loaded
+        assert rows == [("127.0.0.1:%d" % shared_redis_port, "server", "open", 0, None, None, None,
+                         "standalone", 1, 11)]
 
         port = dead_port()
         set_gucs(conn, host="127.0.0.1", port=port, retry_interval=5000, on_error="allow")
@@ -863,3 +865,25 @@ def test_without_preloading_scope_backend(unpreloaded_cluster):
     finally:
         a.close()
         b.close()
+
+
+# ------------------------------------------------- the README's exporter query
+
+
+def test_readme_postgres_exporter_query(pg, policies):
+    """The postgres_exporter custom query the README shows runs, and every
+    metric it declares is one of its columns (the README example is tested
+    here, as test_readme.py cannot run a YAML block)."""
+    import re
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    m = re.search(r'^rl_redis:\n  query: "([^"]+)"\n  metrics:\n((?:    - .*\n)+)', readme, re.M)
+    assert m, "the postgres_exporter example is missing from README.md"
+    query, metrics = m.group(1), re.findall(r"^    - (\w+):", m.group(2), re.M)
+    name = policies("fixed", 1, 60000)
+    pg.execute("SELECT rl_allow(%s, 'exporter') FROM generate_series(1, 3)", (name,))
+    cur = pg.execute(query)
+    columns = [d.name for d in cur.description]
+    assert sorted(columns) == sorted(metrics)
+    rows = [dict(zip(columns, r)) for r in cur.fetchall()]
+    mine = [r for r in rows if r["policy"] == name]
+    assert len(mine) == 1 and mine[0]["allowed"] == 1 and mine[0]["denied"] == 2

@@ -334,22 +334,25 @@ PG_FUNCTION_INFO_V1(rl_redis_connections);
 /*
  * rl_redis_connections(): this backend's Redis connections: server, kind
  * (server, master, sentinel), open or closed, the commands of transaction
- * ends waiting, and while calls fail: since when, the last error and how
- * long the circuit breaker still holds calls back.
+ * ends waiting, while calls fail: since when, the last error and how long
+ * the circuit breaker still holds calls back; the mode (rl_redis.mode), and
+ * how many of the registry's scripts are known loaded there (they ran since
+ * the connection was made).
  */
 Datum
 rl_redis_connections(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	static const char *const kinds[] = {"server", "master", "sentinel"};
+	static const char *const modes[] = {"standalone", "cluster", "sentinel"};
 	RlConnInfo	info;
 	int			n;
 
 	InitMaterializedSRF(fcinfo, 0);
 	for (n = 0; rl_conn_info(n, &info); n++)
 	{
-		Datum		values[7];
-		bool		nulls[7] = {0};
+		Datum		values[10];
+		bool		nulls[10] = {0};
 
 		values[0] = CStringGetTextDatum(info.server);
 		values[1] = CStringGetTextDatum(kinds[info.kind]);
@@ -363,6 +366,9 @@ rl_redis_connections(PG_FUNCTION_ARGS)
 		}
 		else
 			nulls[4] = nulls[5] = nulls[6] = true;
+		values[7] = CStringGetTextDatum(modes[rl_mode]);
+		values[8] = Int32GetDatum(info.scripts_loaded);
+		values[9] = Int32GetDatum(RL_NUM_SCRIPTS);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	return (Datum) 0;

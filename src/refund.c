@@ -369,7 +369,6 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 			int64		values[8];
 			int			k;
 
-			rl_stats_refunded(p->key.data, p->key.len, p->units + p->prev);
 
 			argv[i] = p->limit.algorithm->name;
 			argvlen[i++] = strlen(p->limit.algorithm->name);
@@ -398,7 +397,12 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	argvlen[1] = strlen(script->body);
 	conn = rl_route_known(list[0]->key.data, list[0]->key.len);
 	if (conn != NULL)
+	{
 		rl_defer_command(conn, argc, argv, argvlen, idempotent);
+		for (j = 0; refund && j < n; j++)
+			rl_stats_refunded(list[j]->key.data, list[j]->key.len,
+							  list[j]->units + list[j]->prev);
+	}
 	else
 		ereport(WARNING,
 				(errmsg("rate-limit units of a rolled-back transaction could not be given back: the Redis node of their keys is not known")));

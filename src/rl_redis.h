@@ -214,6 +214,7 @@ typedef struct RlConnInfo
 	TimestampTz failing_since;	/* 0: its last call reached Redis */
 	int64		retry_in_ms;	/* while the breaker holds calls back */
 	char		last_error[512];
+	int			scripts_loaded; /* of the registry's, known loaded there */
 } RlConnInfo;
 
 extern void rl_transport_init(void);
@@ -223,6 +224,7 @@ extern RlConn *rl_conn_at(const char *host, int port, RlConnKind kind);
 extern void rl_servers_changed(const char *why);
 extern void rl_conn_hand_over(RlConn *from, RlConn *to);
 extern void rl_conn_close(RlConn *conn);
+extern void rl_conn_script_loaded(RlConn *conn, int id);
 extern void rl_send_queued(RlConn *except);
 extern const char *rl_conn_host(RlConn *conn);
 extern RlConn *rl_conn_current(void);
@@ -244,6 +246,7 @@ typedef struct RlScript
 {
 	const char *body;
 	const char *sha;
+	int			id;				/* 0 .. RL_NUM_SCRIPTS - 1 */
 } RlScript;
 
 /* One line of algorithms.h. */
@@ -267,6 +270,9 @@ enum
 };
 
 extern const RlAlgorithm rl_algorithms[RL_NUM_ALGORITHMS];
+
+/* the scripts: one per algorithm, then the six that serve several */
+#define RL_NUM_SCRIPTS (RL_NUM_ALGORITHMS + 6)
 
 extern const RlScript rl_script_check_all;
 extern const RlScript rl_script_refund;

@@ -19,18 +19,20 @@
 /* The algorithms of algorithms.h, in its order (RL_ALG_<name>). */
 const RlAlgorithm rl_algorithms[RL_NUM_ALGORITHMS] = {
 #define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log) \
-	{#name, {RL_LUA_ALG_##name, RL_LUA_ALG_##name##_SHA}, \
+	{#name, {RL_LUA_ALG_##name, RL_LUA_ALG_##name##_SHA, RL_ALG_##name}, \
 	 refund_subtracts, keeps_records, log},
 #include "algorithms.h"
 #undef RL_ALGORITHM
 };
 
-const RlScript rl_script_check_all = {RL_LUA_CHECK_ALL, RL_LUA_CHECK_ALL_SHA};
-const RlScript rl_script_refund = {RL_LUA_REFUND, RL_LUA_REFUND_SHA};
-const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA};
-const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA};
-const RlScript rl_script_denial_note = {RL_LUA_DENIAL_NOTE, RL_LUA_DENIAL_NOTE_SHA};
-const RlScript rl_script_denial_top = {RL_LUA_DENIAL_TOP, RL_LUA_DENIAL_TOP_SHA};
+const RlScript rl_script_check_all = {RL_LUA_CHECK_ALL, RL_LUA_CHECK_ALL_SHA, RL_NUM_ALGORITHMS};
+const RlScript rl_script_refund = {RL_LUA_REFUND, RL_LUA_REFUND_SHA, RL_NUM_ALGORITHMS + 1};
+const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA, RL_NUM_ALGORITHMS + 2};
+const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA, RL_NUM_ALGORITHMS + 3};
+const RlScript rl_script_denial_note = {RL_LUA_DENIAL_NOTE, RL_LUA_DENIAL_NOTE_SHA, RL_NUM_ALGORITHMS + 4};
+const RlScript rl_script_denial_top = {RL_LUA_DENIAL_TOP, RL_LUA_DENIAL_TOP_SHA, RL_NUM_ALGORITHMS + 5};
+
+StaticAssertDecl(RL_NUM_SCRIPTS <= 32, "a connection keeps its loaded scripts in 32 bits");
 
 /*
  * Runs script on conn with the arguments in argv[2..argc-1] (numkeys, keys, args)
@@ -51,14 +53,21 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 	reply = rl_command(conn, argc, argv, argvlen, failure);
 	if (reply == NULL || reply->type != REDIS_REPLY_ERROR ||
 		strncmp(reply->str, "NOSCRIPT", 8) != 0)
+	{
+		if (reply != NULL)
+			rl_conn_script_loaded(conn, script->id);
 		return reply;
+	}
 
 	freeReplyObject(reply);
 	argv[0] = "EVAL";
 	argvlen[0] = 4;
 	argv[1] = script->body;
 	argvlen[1] = strlen(script->body);
-	return rl_command(conn, argc, argv, argvlen, failure);
+	reply = rl_command(conn, argc, argv, argvlen, failure);
+	if (reply != NULL)
+		rl_conn_script_loaded(conn, script->id);	/* EVAL loads it */
+	return reply;
 }
 
 /*
@@ -81,7 +90,10 @@ rl_run_script_asking(RlConn *conn, const RlScript *script, int argc,
 	argvlen[0] = 4;
 	argv[1] = script->body;
 	argvlen[1] = strlen(script->body);
-	return rl_command(conn, argc, argv, argvlen, failure);
+	reply = rl_command(conn, argc, argv, argvlen, failure);
+	if (reply != NULL)
+		rl_conn_script_loaded(conn, script->id);	/* EVAL loads it */
+	return reply;
 }
 
 /* Writes the scripts' clock argument into buf: the test clock, or "". */

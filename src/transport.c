@@ -53,6 +53,7 @@
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "pgstat.h"
+#include "port/pg_bitutils.h"
 #include "storage/fd.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
@@ -89,6 +90,8 @@ struct RlConn
 	char		host[RL_ADDRESS_LEN];	/* host name, address or socket path */
 	int			port;
 	uint64		settings_seen;	/* settings_version when last compared */
+	uint32		scripts_loaded; /* bit per RlScript.id: known loaded on the
+								 * server since this connection was made */
 	pgsocket	sock;			/* PGINVALID_SOCKET when there is none */
 	bool		fd_acquired;	/* we hold an external-FD slot for sock */
 	WaitEventSet *wes;			/* MyLatch, postmaster death, sock */
@@ -367,6 +370,7 @@ rl_conn_info(int n, RlConnInfo *info)
 	info->kind = conn->kind;
 	info->open = conn->ready && conn->sock != PGINVALID_SOCKET;
 	info->queued = conn->queue_count;
+	info->scripts_loaded = pg_popcount32(conn->scripts_loaded);
 	if (conn->breaker.outage_start != 0)
 	{
 		info->failing_since = conn->breaker.outage_start;
@@ -379,6 +383,13 @@ rl_conn_info(int n, RlConnInfo *info)
 																				rl_retry_interval)), 0);
 	}
 	return true;
+}
+
+/* Notes that script id is loaded on conn's server (it just ran there). */
+void
+rl_conn_script_loaded(RlConn *conn, int id)
+{
+	conn->scripts_loaded |= (uint32) 1 << id;
 }
 
 /* The host name (or address, or socket path) conn was made for. */
@@ -1149,6 +1160,7 @@ rl_connect(RlConn *conn, int timeout_ms, RlFailure *failure)
 		conn->pending_addrs = NULL;
 	}
 	conn->settings_seen = rl_settings_version();
+	conn->scripts_loaded = 0;	/* the server may be another process now */
 	if (conn->settings.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
