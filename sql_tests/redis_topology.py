@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import time
 
+import psycopg
 import pytest
 
 from conftest import REDIS_CLI, REDIS_SERVER, RedisServer, RespError, _read_reply, free_port
@@ -71,6 +72,23 @@ def resp_pipeline(port, commands, password=None, timeout=5.0):
         return replies
     finally:
         s.close()
+
+
+def timed(conn, query, params=None):
+    """Runs query's first column: (value, or the psycopg.Error it raised;
+    seconds it took)."""
+    t0 = time.monotonic()
+    try:
+        value = conn.execute(query, params).fetchone()[0]
+    except psycopg.Error as e:
+        value = e
+    return value, time.monotonic() - t0
+
+
+def backend_identity(conn):
+    """(backend pid, postmaster start): changes when a backend or the
+    server restarted."""
+    return conn.execute("SELECT pg_backend_pid(), pg_postmaster_start_time()").fetchone()
 
 
 def info_dict(text):

@@ -26,7 +26,7 @@ import pytest
 from psycopg import sql
 
 from conftest import new_ident, pg_connect, rl_key, set_gucs
-from redis_topology import (fresh_redis_cluster, identity_slot, idents_in_slot,  # noqa: F401
+from redis_topology import (backend_identity, fresh_redis_cluster, identity_slot, idents_in_slot,  # noqa: F401
                             redis_cluster, wait_for)
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -145,11 +145,6 @@ def sqlstate_of(conn, query, params=None):
         conn.execute(query, params)
     return excinfo.value.sqlstate, str(excinfo.value)
 
-
-def backend_identity(conn):
-    """(pid, postmaster start time): a crash-restart of the server would
-    change both, a crash of the backend the pid."""
-    return conn.execute("SELECT pg_backend_pid(), pg_postmaster_start_time()").fetchone()
 
 
 class Hammer:

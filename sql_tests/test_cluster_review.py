@@ -45,7 +45,7 @@ import pytest
 from psycopg import sql
 
 from conftest import new_ident, pg_connect, rl_key, set_gucs
-from redis_topology import (ClusterNode, identity_slot, info_dict, key_slot,  # noqa: F401
+from redis_topology import (timed, ClusterNode, identity_slot, info_dict, key_slot,  # noqa: F401
                             redis_cluster, resp_pipeline, wait_for)
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -302,15 +302,6 @@ def session():
         except Exception:
             pass
 
-
-def timed(conn, query, params=None):
-    """(value or psycopg.Error, seconds)."""
-    t0 = time.monotonic()
-    try:
-        value = conn.execute(query, params).fetchone()[0]
-    except psycopg.Error as e:
-        value = e
-    return value, time.monotonic() - t0
 
 
 def is_class_08(value):

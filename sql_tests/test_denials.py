@@ -13,7 +13,7 @@ import psycopg
 from psycopg import sql
 import pytest
 
-from conftest import free_port, new_ident, pg_connect, set_gucs
+from conftest import new_ident, pg_connect, set_gucs
 
 # a frozen clock: every call falls in one minute
 CLOCK_MS = 1767225600000

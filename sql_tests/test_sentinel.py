@@ -21,7 +21,7 @@ import pytest
 
 from conftest import free_port, new_ident, pg_connect, rl_key, set_gucs
 from test_fault_matrix import Blackhole
-from redis_topology import (MASTER_NAME, RedisSentinelFixture, fresh_redis_sentinel,  # noqa: F401
+from redis_topology import (backend_identity, timed, MASTER_NAME, RedisSentinelFixture, fresh_redis_sentinel,  # noqa: F401
                             redis_sentinel, resp_pipeline, wait_for)
 
 HUGE_WINDOW_MS = 10**12  # a fixed window that does not roll over before 2033
@@ -67,18 +67,6 @@ def fixed_key(identity, lim):
     return rl_key("fixed", identity, lim=lim, window_ms=HUGE_WINDOW_MS)
 
 
-def timed(conn, query, params=None):
-    """(value or exception, seconds)."""
-    t0 = time.monotonic()
-    try:
-        value = conn.execute(query, params).fetchone()[0]
-    except psycopg.Error as e:
-        value = e
-    return value, time.monotonic() - t0
-
-
-def backend_identity(conn):
-    return conn.execute("SELECT pg_backend_pid(), pg_postmaster_start_time()").fetchone()
 
 
 def script_calls(node):

@@ -38,6 +38,7 @@ int			rl_database = 0;
 int			rl_connect_timeout = 2000;
 int			rl_command_timeout = 2000;
 int			rl_retry_interval = 1000;
+int			rl_idle_timeout = 0;
 char	   *rl_key_prefix = NULL;
 int			rl_on_error = RL_ON_ERROR_ERROR;
 int			rl_refund_on_abort = RL_REFUND_GUARDS;
@@ -114,18 +115,17 @@ check_host(char **newval, void **extra, GucSource source)
 }
 
 /*
- * Refuses a non-empty rl_redis.password from a database or role setting
- * (ALTER DATABASE/ROLE ... SET and CREATE FUNCTION ... SET validate with
- * PGC_S_TEST, and such values come back as PGC_S_GLOBAL, PGC_S_DATABASE,
- * PGC_S_USER or PGC_S_DATABASE_USER): pg_db_role_setting and
- * pg_proc.proconfig are readable by every role. This runs only where the
- * library is loaded, hence shared_preload_libraries.
+ * True when a secret setting may take its value from source: not from a
+ * database or role setting (ALTER DATABASE/ROLE ... SET and CREATE FUNCTION
+ * ... SET validate with PGC_S_TEST, and such values come back as
+ * PGC_S_GLOBAL, PGC_S_DATABASE, PGC_S_USER or PGC_S_DATABASE_USER), as
+ * pg_db_role_setting and pg_proc.proconfig are readable by every role.
+ * This runs only where the library is loaded, hence
+ * shared_preload_libraries.
  */
 static bool
-check_password(char **newval, void **extra, GucSource source)
+rl_secret_source_ok(GucSource source)
 {
-	if (*newval == NULL || (*newval)[0] == '\0')
-		return true;
 	switch (source)
 	{
 		case PGC_S_TEST:
@@ -134,32 +134,30 @@ check_password(char **newval, void **extra, GucSource source)
 		case PGC_S_USER:
 		case PGC_S_DATABASE_USER:
 			GUC_check_errdetail("Database, role and function settings are readable by every role.");
-			GUC_check_errhint("Set rl_redis.password in postgresql.conf (or with ALTER SYSTEM), or use rl_redis.password_file.");
 			return false;
 		default:
 			return true;
 	}
 }
 
-/* check_password for rl_redis.sentinel_password, with its own hint. */
+/* Refuses a non-empty rl_redis.password from a database or role setting. */
+static bool
+check_password(char **newval, void **extra, GucSource source)
+{
+	if (*newval == NULL || (*newval)[0] == '\0' || rl_secret_source_ok(source))
+		return true;
+	GUC_check_errhint("Set rl_redis.password in postgresql.conf (or with ALTER SYSTEM), or use rl_redis.password_file.");
+	return false;
+}
+
+/* The same for rl_redis.sentinel_password. */
 static bool
 check_sentinel_password(char **newval, void **extra, GucSource source)
 {
-	if (*newval == NULL || (*newval)[0] == '\0')
+	if (*newval == NULL || (*newval)[0] == '\0' || rl_secret_source_ok(source))
 		return true;
-	switch (source)
-	{
-		case PGC_S_TEST:
-		case PGC_S_GLOBAL:
-		case PGC_S_DATABASE:
-		case PGC_S_USER:
-		case PGC_S_DATABASE_USER:
-			GUC_check_errdetail("Database, role and function settings are readable by every role.");
-			GUC_check_errhint("Set rl_redis.sentinel_password in postgresql.conf (or with ALTER SYSTEM).");
-			return false;
-		default:
-			return true;
-	}
+	GUC_check_errhint("Set rl_redis.sentinel_password in postgresql.conf (or with ALTER SYSTEM).");
+	return false;
 }
 
 /*
@@ -614,6 +612,15 @@ rl_define_gucs(void)
 							"Zero tries Redis on every call.",
 							&rl_retry_interval,
 							1000, 0, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("rl_redis.idle_timeout",
+							"Time after which a session's idle Redis connections are closed.",
+							"Counted from the end of the session's last transaction; zero keeps them open.",
+							&rl_idle_timeout,
+							0, 0, INT_MAX,
 							PGC_SUSET,
 							GUC_UNIT_MS,
 							NULL, NULL, NULL);

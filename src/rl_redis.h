@@ -112,6 +112,7 @@ extern int	rl_database;
 extern int	rl_connect_timeout;
 extern int	rl_command_timeout;
 extern int	rl_retry_interval;
+extern int	rl_idle_timeout;
 extern char *rl_key_prefix;
 extern int	rl_on_error;
 extern int	rl_refund_on_abort;

@@ -60,6 +60,7 @@
 #include "utils/builtins.h"
 #include "utils/hsearch.h"
 #include "utils/memutils.h"
+#include "utils/timeout.h"
 #include "utils/timestamp.h"
 
 #include "rl_redis.h"
@@ -181,8 +182,12 @@ static uint64 current_seen = 0;
 
 static char inbuf[16384];
 
+/* the timeout that closes idle connections (rl_redis.idle_timeout) */
+static TimeoutId idle_timeout_id = MAX_TIMEOUTS;
+
 
 static void rl_transport_exit(int code, Datum arg);
+static void rl_idle_timeout_handler(void);
 static void rl_discard_queue(RlConn *conn, const char *why);
 static void rl_queue_unconfirmed(RlConn *conn);
 static void rl_queue_push(RlConn *conn, int argc, const char **argv,
@@ -1150,6 +1155,7 @@ rl_connect(RlConn *conn, int timeout_ms, RlFailure *failure)
 	if (!exit_callback_registered)
 	{
 		before_shmem_exit(rl_transport_exit, (Datum) 0);
+		idle_timeout_id = RegisterTimeout(USER_TIMEOUT, rl_idle_timeout_handler);
 		exit_callback_registered = true;
 	}
 
@@ -1595,6 +1601,25 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 }
 
 /*
+ * rl_redis.idle_timeout passed since the end of the last transaction that
+ * used Redis (the timeout is stopped by the next command): shuts down the
+ * sockets of the connections with nothing on the way, so that Redis closes
+ * them. This runs in a signal handler: shutdown is async-signal-safe, and
+ * the socket stays allocated, so no other file can take its number; the
+ * next command finds it closed (the liveness check) and connects again.
+ */
+static void
+rl_idle_timeout_handler(void)
+{
+	RlConn	   *conn;
+
+	for (conn = conn_list; conn != NULL; conn = conn->next)
+		if (conn->sock != PGINVALID_SOCKET && conn->ready &&
+			conn->queue_count == 0 && conn->pending_replies == 0)
+			(void) shutdown(conn->sock, SHUT_RDWR);
+}
+
+/*
  * At the end of a (sub)transaction, for each connection: drops it when its
  * command was interrupted by an error (a reply may be in flight; abort
  * only), then sends its queue.
@@ -1616,6 +1641,10 @@ rl_xact_end(bool abort)
 			rl_disconnect(conn);
 		rl_flush_queue(conn, deadline);
 	}
+	/* idle from here on, until the next command */
+	if (rl_idle_timeout > 0 && idle_timeout_id != MAX_TIMEOUTS &&
+		conn_list != NULL && GetCurrentTransactionNestLevel() <= 1)
+		enable_timeout_after(idle_timeout_id, rl_idle_timeout);
 }
 
 /* At the end of a transaction. */
@@ -1717,6 +1746,10 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 	TimestampTz deadline;
 	int			connect_ms = rl_connect_timeout;
 	int			command_ms = rl_command_timeout;
+
+	/* the connections are in use again */
+	if (idle_timeout_id != MAX_TIMEOUTS && get_timeout_active(idle_timeout_id))
+		disable_timeout(idle_timeout_id, false);
 
 	if (limit_ms >= 0)
 	{
