@@ -74,3 +74,28 @@ def test_a_long_transaction_is_not_idle(redis_factory):
         conn.rollback()
     finally:
         conn.close()
+
+
+def test_other_transactions_do_not_keep_it_open(redis_factory):
+    """Transactions that do not call Redis do not count as use: a session
+    busy with other work still lets its Redis connection go, and
+    rl_redis_connections() says it is closed."""
+    redis = redis_factory()
+    conn = pg_connect()
+    try:
+        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=300)
+        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("busy"),)).fetchone()[0]
+        assert len(clients(redis)) == 1
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:
+            conn.execute("SELECT 1")
+            time.sleep(0.05)
+        assert clients(redis) == []
+        assert conn.execute("SELECT state FROM rl_redis_connections()").fetchall() == [("closed",)]
+        # turned off: the next idle period keeps it
+        set_gucs(conn, idle_timeout=0)
+        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("busy"),)).fetchone()[0]
+        time.sleep(1.0)
+        assert len(clients(redis)) == 1
+    finally:
+        conn.close()

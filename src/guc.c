@@ -618,7 +618,7 @@ rl_define_gucs(void)
 
 	DefineCustomIntVariable("rl_redis.idle_timeout",
 							"Time after which a session's idle Redis connections are closed.",
-							"Counted from the end of the session's last transaction; zero keeps them open.",
+							"Counted from the end of the last transaction that sent something to Redis; zero keeps them open.",
 							&rl_idle_timeout,
 							0, 0, INT_MAX,
 							PGC_SUSET,

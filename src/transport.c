@@ -40,6 +40,7 @@
 #include "postgres.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -53,6 +54,7 @@
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "pgstat.h"
+#include "port/atomics.h"
 #include "port/pg_bitutils.h"
 #include "storage/fd.h"
 #include "storage/ipc.h"
@@ -93,6 +95,7 @@ struct RlConn
 	uint64		settings_seen;	/* settings_version when last compared */
 	uint32		scripts_loaded; /* bit per RlScript.id: known loaded on the
 								 * server since this connection was made */
+	volatile sig_atomic_t shut; /* the idle timeout shut its socket down */
 	pgsocket	sock;			/* PGINVALID_SOCKET when there is none */
 	bool		fd_acquired;	/* we hold an external-FD slot for sock */
 	WaitEventSet *wes;			/* MyLatch, postmaster death, sock */
@@ -185,6 +188,9 @@ static char inbuf[16384];
 /* the timeout that closes idle connections (rl_redis.idle_timeout) */
 static TimeoutId idle_timeout_id = MAX_TIMEOUTS;
 
+/* a command was sent since the idle timeout was last armed */
+static bool used_since_idle = false;
+
 
 static void rl_transport_exit(int code, Datum arg);
 static void rl_idle_timeout_handler(void);
@@ -198,13 +204,19 @@ static void rl_queue_push(RlConn *conn, int argc, const char **argv,
 static void
 rl_disconnect(RlConn *conn)
 {
+	pgsocket	sock = conn->sock;
+
+	/* first out of the idle handler's sight (rl_idle_timeout_handler) */
+	conn->ready = false;
+	conn->sock = PGINVALID_SOCKET;
+	pg_compiler_barrier();
+	conn->shut = false;
 	rl_tls_free(&conn->tls);
 	if (conn->wes)
 		FreeWaitEventSet(conn->wes);
 	conn->wes = NULL;
-	if (conn->sock != PGINVALID_SOCKET)
-		closesocket(conn->sock);
-	conn->sock = PGINVALID_SOCKET;
+	if (sock != PGINVALID_SOCKET)
+		closesocket(sock);
 	if (conn->fd_acquired)
 		ReleaseExternalFD();
 	conn->fd_acquired = false;
@@ -341,6 +353,7 @@ rl_conn_lookup(const char *host, int port, RlConnKind kind)
 		conn->port = port;
 		conn->sock = PGINVALID_SOCKET;
 		conn->next = conn_list;
+		pg_compiler_barrier();	/* whole before the idle handler can see it */
 		conn_list = conn;
 	}
 	return conn;
@@ -373,7 +386,7 @@ rl_conn_info(int n, RlConnInfo *info)
 	memset(info, 0, sizeof(*info));
 	strlcpy(info->server, conn->address, sizeof(info->server));
 	info->kind = conn->kind;
-	info->open = conn->ready && conn->sock != PGINVALID_SOCKET;
+	info->open = conn->ready && conn->sock != PGINVALID_SOCKET && !conn->shut;
 	info->queued = conn->queue_count;
 	info->scripts_loaded = pg_popcount32(conn->scripts_loaded);
 	if (conn->breaker.outage_start != 0)
@@ -1155,7 +1168,6 @@ rl_connect(RlConn *conn, int timeout_ms, RlFailure *failure)
 	if (!exit_callback_registered)
 	{
 		before_shmem_exit(rl_transport_exit, (Datum) 0);
-		idle_timeout_id = RegisterTimeout(USER_TIMEOUT, rl_idle_timeout_handler);
 		exit_callback_registered = true;
 	}
 
@@ -1568,7 +1580,7 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 	/* a connection the server closed while idle would swallow the queue */
 	rl_queue_account(conn);
 	if (conn->ready && conn->pending_replies == 0 && conn->queue_partial == 0 &&
-		!rl_connection_alive(conn))
+		(conn->shut || !rl_connection_alive(conn)))
 		rl_disconnect(conn);
 	if (!conn->ready || conn->sock == PGINVALID_SOCKET)
 	{
@@ -1613,10 +1625,52 @@ rl_idle_timeout_handler(void)
 {
 	RlConn	   *conn;
 
+	/*
+	 * The main code makes an entry whole before it links it (a barrier in
+	 * rl_conn_lookup) and takes a socket out of sight before it closes it
+	 * (rl_disconnect); only connections with nothing queued or in flight
+	 * are shut down, and whoever uses one next checks it first.
+	 */
 	for (conn = conn_list; conn != NULL; conn = conn->next)
-		if (conn->sock != PGINVALID_SOCKET && conn->ready &&
+	{
+		pgsocket	sock = conn->sock;
+
+		if (sock != PGINVALID_SOCKET && conn->ready &&
 			conn->queue_count == 0 && conn->pending_replies == 0)
-			(void) shutdown(conn->sock, SHUT_RDWR);
+		{
+			(void) shutdown(sock, SHUT_RDWR);
+			conn->shut = true;
+		}
+	}
+}
+
+/*
+ * At the end of a top-level transaction: starts the idle timeout when a
+ * command was sent since it last started and a connection is open; stops
+ * it when rl_redis.idle_timeout is 0 now.
+ */
+static void
+rl_arm_idle_timeout(void)
+{
+	RlConn	   *conn;
+
+	if (idle_timeout_id == MAX_TIMEOUTS)
+		return;
+	if (rl_idle_timeout <= 0)
+	{
+		if (get_timeout_active(idle_timeout_id))
+			disable_timeout(idle_timeout_id, false);
+		return;
+	}
+	if (!used_since_idle)
+		return;
+	for (conn = conn_list; conn != NULL; conn = conn->next)
+		if (conn->sock != PGINVALID_SOCKET && conn->ready)
+			break;
+	if (conn == NULL)
+		return;
+	used_since_idle = false;
+	enable_timeout_after(idle_timeout_id, rl_idle_timeout);
 }
 
 /*
@@ -1642,9 +1696,8 @@ rl_xact_end(bool abort)
 		rl_flush_queue(conn, deadline);
 	}
 	/* idle from here on, until the next command */
-	if (rl_idle_timeout > 0 && idle_timeout_id != MAX_TIMEOUTS &&
-		conn_list != NULL && GetCurrentTransactionNestLevel() <= 1)
-		enable_timeout_after(idle_timeout_id, rl_idle_timeout);
+	if (GetCurrentTransactionNestLevel() <= 1)
+		rl_arm_idle_timeout();
 }
 
 /* At the end of a transaction. */
@@ -1750,6 +1803,9 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 	/* the connections are in use again */
 	if (idle_timeout_id != MAX_TIMEOUTS && get_timeout_active(idle_timeout_id))
 		disable_timeout(idle_timeout_id, false);
+	else if (idle_timeout_id == MAX_TIMEOUTS && rl_idle_timeout > 0)
+		idle_timeout_id = RegisterTimeout(USER_TIMEOUT, rl_idle_timeout_handler);
+	used_since_idle = true;
 
 	if (limit_ms >= 0)
 	{
@@ -1778,7 +1834,7 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 
 	/* unread replies make the liveness peek useless; reading them checks */
 	rl_queue_account(conn);
-	if (!conn->ready ||
+	if (!conn->ready || conn->shut ||
 		(conn->pending_replies == 0 && conn->queue_partial == 0 &&
 		 !rl_connection_alive(conn)))
 	{
