@@ -853,8 +853,11 @@ def test_refund_that_gets_tryagain_arrives_after_the_migration(session, policies
             m.command("CLUSTER", "SETSLOT", slot, "NODE", dst.node_id)
         wait_for(lambda: redis_cluster.healthy() and redis_cluster.master_of_slot(slot) is dst, 30,
                  "the slot to be on its new master everywhere")
-    # the session's next call (here on another identity) brings the refund
+    # the session's next call (on an identity of a third master, so that the
+    # refund must reach a node the call itself does not use) brings the refund
     other = new_ident("tryagain_other")
+    while redis_cluster.master_of_slot(identity_slot(other)) in (src, dst):
+        other = new_ident("tryagain_other")
     t0 = time.monotonic()
     try:
         value = conn.execute(check, (p1, other, 1)).fetchone()

@@ -96,6 +96,7 @@ struct RlConn
 	uint32		scripts_loaded; /* bit per RlScript.id: known loaded on the
 								 * server since this connection was made */
 	volatile sig_atomic_t shut; /* the idle timeout shut its socket down */
+	bool		got_redirected; /* work moved here from another node's queue */
 	pgsocket	sock;			/* PGINVALID_SOCKET when there is none */
 	bool		fd_acquired;	/* we hold an external-FD slot for sock */
 	WaitEventSet *wes;			/* MyLatch, postmaster death, sock */
@@ -428,22 +429,34 @@ rl_conn_host(RlConn *conn)
 void
 rl_send_queued(RlConn *except)
 {
-	RlConn	   *conn;
+	int			pass;
 
-	for (conn = conn_list; conn != NULL; conn = conn->next)
+	/* a reply may move work to another node (MOVED): that node next */
+	for (pass = 0; pass < 3; pass++)
 	{
-		const char *argv[1] = {"PING"};
-		size_t		argvlen[1] = {4};
-		RlFailure	failure;
-		redisReply *reply;
+		RlConn	   *conn;
+		bool		sent = false;
 
-		/* a server in an outage gets its work with its own next call */
-		if (conn == except || conn->queue_count == 0 ||
-			conn->kind == RL_CONN_SENTINEL || conn->breaker.outage_start != 0)
-			continue;
-		reply = rl_command(conn, 1, argv, argvlen, &failure);
-		if (reply != NULL)
-			freeReplyObject(reply);
+		for (conn = conn_list; conn != NULL; conn = conn->next)
+		{
+			const char *argv[1] = {"PING"};
+			size_t		argvlen[1] = {4};
+			RlFailure	failure;
+			redisReply *reply;
+
+			/* a server in an outage gets its work with its own next call */
+			if (conn == except || conn->queue_count == 0 ||
+				conn->kind == RL_CONN_SENTINEL || conn->breaker.outage_start != 0 ||
+				(pass > 0 && !conn->got_redirected))
+				continue;
+			conn->got_redirected = false;
+			reply = rl_command(conn, 1, argv, argvlen, &failure);
+			if (reply != NULL)
+				freeReplyObject(reply);
+			sent = true;
+		}
+		if (!sent)
+			break;
 	}
 }
 
@@ -1410,6 +1423,8 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	tries = conn->queue_tries[k];
 	rl_queue_push(target, 0, NULL, NULL, copy, len, idempotent, tries);
 	pfree(copy);
+	if (target != conn)
+		target->got_redirected = true;
 	return true;
 }
 
