@@ -17,7 +17,7 @@ def test_idle_connection_is_closed_and_reopened(redis_factory):
     redis = redis_factory()
     conn = pg_connect()
     try:
-        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=300)
+        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=800)
         identity = new_ident("idle")
         q = "SELECT rl_fixed_allow(%s, 10, 600000)"
         assert conn.execute(q, (identity,)).fetchone()[0] is True
@@ -29,7 +29,7 @@ def test_idle_connection_is_closed_and_reopened(redis_factory):
             assert conn.execute(q, (identity,)).fetchone()[0] is True
         assert clients(redis) == first
         # idle longer: Redis sees it go
-        time.sleep(1.5)
+        time.sleep(2.5)
         assert clients(redis) == []
         # the next call connects again, and the count went on
         assert conn.execute("SELECT (rl_fixed(%s, 10, 600000)).remaining", (identity,)).fetchone()[0] == 5
