@@ -186,6 +186,17 @@ def _read_reply(f):
     raise ConnectionError("bad RESP reply: %r" % line)
 
 
+def resp_encode(cmds):
+    """The RESP bytes of several commands (lists of str), one after another."""
+    payload = b""
+    for cmd in cmds:
+        payload += b"*%d\r\n" % len(cmd)
+        for a in cmd:
+            b = a.encode()
+            payload += b"$%d\r\n%s\r\n" % (len(b), b)
+    return payload
+
+
 def resp_command(args, port=None, unix_socket=None, password=None, timeout=5.0):
     """Sends one command over a fresh connection and returns the parsed reply
     (raises RespError for an error reply)."""
@@ -202,13 +213,7 @@ def resp_command(args, port=None, unix_socket=None, password=None, timeout=5.0):
         if password is not None:
             cmds.append(["AUTH", password])
         cmds.append([str(a) for a in args])
-        payload = b""
-        for cmd in cmds:
-            payload += b"*%d\r\n" % len(cmd)
-            for a in cmd:
-                b = a.encode()
-                payload += b"$%d\r\n%s\r\n" % (len(b), b)
-        s.sendall(payload)
+        s.sendall(resp_encode(cmds))
         f = s.makefile("rb")
         reply = None
         for _ in cmds:

@@ -26,11 +26,13 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 
 import psycopg
 import pytest
 
-from conftest import REDIS_CLI, REDIS_SERVER, RedisServer, RespError, _read_reply, free_port
+from conftest import (REDIS_CLI, REDIS_SERVER, RedisServer, RespError, _read_reply, free_port, pg_connect,
+                      resp_encode)
 
 CLUSTER_NODE_TIMEOUT_MS = 1000
 SENTINEL_DOWN_AFTER_MS = 1000
@@ -51,13 +53,7 @@ def resp_pipeline(port, commands, password=None, timeout=5.0):
         cmds = ([["AUTH", password]] if password is not None else []) + [
             [str(a) for a in c] for c in commands
         ]
-        payload = b""
-        for cmd in cmds:
-            payload += b"*%d\r\n" % len(cmd)
-            for a in cmd:
-                b = a.encode()
-                payload += b"$%d\r\n%s\r\n" % (len(b), b)
-        s.sendall(payload)
+        s.sendall(resp_encode(cmds))
         f = s.makefile("rb")
         replies = []
         for _ in cmds:
@@ -746,3 +742,43 @@ def fresh_redis_sentinel():
         yield s
     finally:
         s.cleanup()
+
+
+# ------------------------------------------------- sessions and policies
+
+
+def connections(point):
+    """A fixture body: yields make(*args, **gucs) -> a new superuser
+    connection that point(conn, *args, **gucs) set up; all closed at
+    teardown."""
+    conns = []
+
+    def make(*args, **gucs):
+        conn = pg_connect()
+        conns.append(conn)
+        point(conn, *args, **gucs)
+        return conn
+
+    yield make
+    for c in conns:
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+def made_policies(pg, tag):
+    """A fixture body: yields make(algorithm, lim, window_ms, burst=None) ->
+    a new policy's name ("<tag>_<random>"); all deleted at teardown."""
+    names = []
+
+    def make(algorithm, lim, window_ms, burst=None):
+        name = "%s_%s" % (tag, uuid.uuid4().hex[:16])
+        pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst) VALUES (%s, %s, %s, %s, %s)",
+                   (name, algorithm, lim, window_ms, burst))
+        names.append(name)
+        return name
+
+    yield make
+    if names:
+        pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))

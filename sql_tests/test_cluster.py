@@ -26,7 +26,7 @@ import pytest
 from psycopg import sql
 
 from conftest import new_ident, pg_connect, rl_key, set_gucs
-from redis_topology import (backend_identity, fresh_redis_cluster, identity_slot, idents_in_slot,  # noqa: F401
+from redis_topology import (connections, made_policies, backend_identity, fresh_redis_cluster, identity_slot, idents_in_slot,  # noqa: F401
                             redis_cluster, wait_for)
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -53,38 +53,14 @@ def point_at_cluster(conn, cluster, seeds=None, **gucs):
 def sessions():
     """sessions(cluster, seeds=None, **gucs): a new superuser connection
     pointed at the cluster; all closed at teardown."""
-    conns = []
-
-    def make(cluster, seeds=None, **gucs):
-        conn = pg_connect()
-        conns.append(conn)
-        point_at_cluster(conn, cluster, seeds, **gucs)
-        return conn
-
-    yield make
-    for c in conns:
-        try:
-            c.close()
-        except Exception:
-            pass
+    yield from connections(point_at_cluster)
 
 
 @pytest.fixture
 def policies(pg):
     """policies(algorithm, lim, window_ms, burst=None) -> a new policy's name;
     deleted at teardown."""
-    names = []
-
-    def make(algorithm, lim, window_ms, burst=None):
-        name = "t_cluster_%s" % new_ident().split(":")[-1][:16]
-        pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst) VALUES (%s, %s, %s, %s, %s)",
-                   (name, algorithm, lim, window_ms, burst))
-        names.append(name)
-        return name
-
-    yield make
-    if names:
-        pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
+    yield from made_policies(pg, "t_cluster")
 
 
 @pytest.fixture

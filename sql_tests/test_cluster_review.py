@@ -44,8 +44,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import new_ident, pg_connect, rl_key, set_gucs
-from redis_topology import (timed, ClusterNode, identity_slot, info_dict, key_slot,  # noqa: F401
+from conftest import new_ident, rl_key, set_gucs
+from redis_topology import (connections, made_policies, timed, ClusterNode, identity_slot, info_dict, key_slot,  # noqa: F401
                             redis_cluster, resp_pipeline, wait_for)
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -286,21 +286,11 @@ def sock_dir():
 def session():
     """session(**gucs): a new superuser connection with those settings
     (retry_interval 0 unless given); all closed at teardown."""
-    conns = []
-
-    def make(**gucs):
-        conn = pg_connect()
-        conns.append(conn)
+    def point(conn, **gucs):
         gucs.setdefault("retry_interval", 0)
         set_gucs(conn, **gucs)
-        return conn
 
-    yield make
-    for c in conns:
-        try:
-            c.close()
-        except Exception:
-            pass
+    yield from connections(point)
 
 
 
@@ -589,18 +579,7 @@ def test_slot_map_with_2000_nodes_then_other_seeds(session, fakes, solo_node):
 
 @pytest.fixture
 def policies(pg):
-    names = []
-
-    def make(algorithm, lim, window_ms, burst=None):
-        name = "t_review_%s" % uuid.uuid4().hex[:16]
-        pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst) VALUES (%s, %s, %s, %s, %s)",
-                   (name, algorithm, lim, window_ms, burst))
-        names.append(name)
-        return name
-
-    yield make
-    if names:
-        pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
+    yield from made_policies(pg, "t_review")
 
 
 @pytest.fixture

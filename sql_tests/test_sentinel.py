@@ -19,9 +19,9 @@ import time
 import psycopg
 import pytest
 
-from conftest import free_port, new_ident, pg_connect, rl_key, set_gucs
+from conftest import free_port, new_ident, rl_key, set_gucs
 from test_fault_matrix import Blackhole
-from redis_topology import (backend_identity, timed, MASTER_NAME, RedisSentinelFixture, fresh_redis_sentinel,  # noqa: F401
+from redis_topology import (connections, backend_identity, timed, MASTER_NAME, RedisSentinelFixture, fresh_redis_sentinel,  # noqa: F401
                             redis_sentinel, resp_pipeline, wait_for)
 
 HUGE_WINDOW_MS = 10**12  # a fixed window that does not roll over before 2033
@@ -44,20 +44,7 @@ def point_at_sentinels(conn, topo, sentinels=None, **gucs):
 def sessions():
     """sessions(topo, sentinels=None, **gucs): a new superuser connection in
     sentinel mode; all closed at teardown."""
-    conns = []
-
-    def make(topo, sentinels=None, **gucs):
-        conn = pg_connect()
-        conns.append(conn)
-        point_at_sentinels(conn, topo, sentinels, **gucs)
-        return conn
-
-    yield make
-    for c in conns:
-        try:
-            c.close()
-        except Exception:
-            pass
+    yield from connections(point_at_sentinels)
 
 
 FIXED = "SELECT rl_fixed_allow(%s, %s, %s)"

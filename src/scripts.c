@@ -35,6 +35,26 @@ const RlScript rl_script_denial_top = {RL_LUA_DENIAL_TOP, RL_LUA_DENIAL_TOP_SHA,
 StaticAssertDecl(RL_NUM_SCRIPTS <= 32, "a connection keeps its loaded scripts in 32 bits");
 
 /*
+ * Sends the call in argv as EVAL with script's text, which also loads the
+ * script on conn's server. Returns as rl_run_script.
+ */
+static redisReply *
+rl_eval(RlConn *conn, const RlScript *script, int argc, const char **argv,
+		size_t *argvlen, RlFailure *failure)
+{
+	redisReply *reply;
+
+	argv[0] = "EVAL";
+	argvlen[0] = 4;
+	argv[1] = script->body;
+	argvlen[1] = strlen(script->body);
+	reply = rl_command(conn, argc, argv, argvlen, failure);
+	if (reply != NULL)
+		rl_conn_script_loaded(conn, script->id);
+	return reply;
+}
+
+/*
  * Runs script on conn with the arguments in argv[2..argc-1] (numkeys, keys, args)
  * and returns Redis's reply, which may be an error reply, or NULL with
  * failure filled in when Redis could not be reached. argv[0] and argv[1]
@@ -60,14 +80,7 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 	}
 
 	freeReplyObject(reply);
-	argv[0] = "EVAL";
-	argvlen[0] = 4;
-	argv[1] = script->body;
-	argvlen[1] = strlen(script->body);
-	reply = rl_command(conn, argc, argv, argvlen, failure);
-	if (reply != NULL)
-		rl_conn_script_loaded(conn, script->id);	/* EVAL loads it */
-	return reply;
+	return rl_eval(conn, script, argc, argv, argvlen, failure);
 }
 
 /*
@@ -86,14 +99,7 @@ rl_run_script_asking(RlConn *conn, const RlScript *script, int argc,
 	if (reply == NULL || reply->type == REDIS_REPLY_ERROR)
 		return reply;
 	freeReplyObject(reply);
-	argv[0] = "EVAL";
-	argvlen[0] = 4;
-	argv[1] = script->body;
-	argvlen[1] = strlen(script->body);
-	reply = rl_command(conn, argc, argv, argvlen, failure);
-	if (reply != NULL)
-		rl_conn_script_loaded(conn, script->id);	/* EVAL loads it */
-	return reply;
+	return rl_eval(conn, script, argc, argv, argvlen, failure);
 }
 
 /* Writes the scripts' clock argument into buf: the test clock, or "". */
