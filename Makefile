@@ -6,6 +6,7 @@ OBJS = \
 	src/rl_redis.o \
 	src/guc.o \
 	src/stats.o \
+	src/denycache.o \
 	src/transport.o \
 	src/breaker.o \
 	src/tls.o \

@@ -38,7 +38,7 @@ BASE_CLOCK_MS = 1000000020000  # a test clock on a minute (2001-09-09)
 
 # The spec's two lists (trust model).
 PUBLIC_FUNCTIONS = [
-    "rl_check", "rl_allow", "rl_check_all", "rl_allow_all",
+    "rl_check", "rl_allow", "rl_check_all", "rl_allow_all", "rl_check_many",
     "rl_acquire", "rl_acquire_allow", "rl_release",
     "rl_concurrency_release", "rl_headers", "rl_redis_ping",
 ]
@@ -55,6 +55,9 @@ ADMIN_FUNCTIONS = [
     "rl_redis_stats_rows", "rl_redis_stats_scope", "rl_redis_stats_reset",
     "rl_redis_rtt_bounds", "rl_redis_metrics", "rl_redis_connections",
     "rl_top_denied",
+    # 1.5: batch decisions on explicit limits
+    "rl_fixed_many", "rl_sliding_many", "rl_sliding_counter_many",
+    "rl_token_bucket_many", "rl_gcra_many",
 ]
 
 

@@ -47,50 +47,65 @@ rl_denials_key(StringInfo buf, const char *policy, int64 minute)
 }
 
 /*
- * Counts a denial of identity under policy (rl_redis.track_denials). Never
- * raises for Redis's sake (an interrupt still ends the wait).
+ * Counts a denial of each of n identities under policy
+ * (rl_redis.track_denials), in one script call. Never raises for Redis's
+ * sake (an interrupt still ends the wait).
  */
 void
-rl_note_denial(const char *policy, text *identity)
+rl_note_denials(const char *policy, text **identities, int n)
 {
 	StringInfoData key;
-	StringInfoData member;
-	const char *id = VARDATA_ANY(identity);
-	int			len = VARSIZE_ANY_EXHDR(identity);
+	StringInfoData members;
+	int		   *ends = palloc(sizeof(int) * n);
 	int64		minute = rl_denial_minute();
-	const char *argv[7];
-	size_t		argvlen[7];
+	int			argc = RL_SCRIPT_ARGV_RESERVED + 4 + n;
+	const char **argv = palloc(sizeof(char *) * argc);
+	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
 	char		minute_s[24],
 				now_s[24];
 	RlConn	   *conn;
 	RlFailure	failure = {0};
 	redisReply *reply;
+	int			i;
 
 	initStringInfo(&key);
 	rl_denials_key(&key, policy, minute);
-	initStringInfo(&member);
-	if (len <= RL_DENIAL_IDENTITY)
-		appendBinaryStringInfo(&member, id, len);
-	else
+	/* the members, one after another in one buffer */
+	initStringInfo(&members);
+	for (i = 0; i < n; i++)
 	{
-		/* its beginning, cut at a character, and a hash of the whole */
-		appendBinaryStringInfo(&member, id, pg_mbcliplen(id, len, 100));
-		appendStringInfo(&member, "...#%016llx",
-						 (unsigned long long) hash_bytes_extended((const unsigned char *) id,
-																  len, 0));
+		const char *id = VARDATA_ANY(identities[i]);
+		int			len = VARSIZE_ANY_EXHDR(identities[i]);
+
+		if (len <= RL_DENIAL_IDENTITY)
+			appendBinaryStringInfo(&members, id, len);
+		else
+		{
+			/* its beginning, cut at a character, and a hash of the whole */
+			appendBinaryStringInfo(&members, id, pg_mbcliplen(id, len, 100));
+			appendStringInfo(&members, "...#%016llx",
+							 (unsigned long long) hash_bytes_extended((const unsigned char *) id,
+																	  len, 0));
+		}
+		ends[i] = members.len;
 	}
 	argv[2] = "1";
 	argvlen[2] = 1;
 	argv[3] = key.data;
 	argvlen[3] = key.len;
-	argv[4] = member.data;
-	argvlen[4] = member.len;
-	argv[5] = minute_s;
-	argvlen[5] = pg_lltoa(minute, minute_s);
-	argv[6] = now_s;
-	argvlen[6] = rl_clock_arg(now_s);
-	reply = rl_call(key.data, key.len, &rl_script_denial_note, 7, argv, argvlen,
-					&conn, &failure);
+	argv[4] = minute_s;
+	argvlen[4] = pg_lltoa(minute, minute_s);
+	argv[5] = now_s;
+	argvlen[5] = rl_clock_arg(now_s);
+	for (i = 0; i < n; i++)
+	{
+		int			from = i == 0 ? 0 : ends[i - 1];
+
+		argv[6 + i] = members.data + from;
+		argvlen[6 + i] = ends[i] - from;
+	}
+	reply = rl_call(key.data, key.len, &rl_script_denial_note, argc, argv,
+					argvlen, &conn, &failure);
 	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
 	{
 		rl_error_reply(conn, reply, &failure);
@@ -111,7 +126,17 @@ rl_note_denial(const char *policy, text *identity)
 		freeReplyObject(reply);
 	}
 	pfree(key.data);
-	pfree(member.data);
+	pfree(members.data);
+	pfree(ends);
+	pfree(argv);
+	pfree(argvlen);
+}
+
+/* Counts a denial of identity under policy: rl_note_denials for one. */
+void
+rl_note_denial(const char *policy, text *identity)
+{
+	rl_note_denials(policy, &identity, 1);
 }
 
 /*

@@ -37,6 +37,7 @@ done <<END
 $algorithms
 END
 emit CHECK_ALL "$dir/common.lua" $all "$dir/run_all.lua"
+emit CHECK_MANY "$dir/common.lua" $all "$dir/run_many.lua"
 emit REFUND "$dir/common.lua" $all "$dir/run_refund.lua"
 emit FORGET "$dir/common.lua" "$dir/run_forget.lua"
 emit CONCURRENCY "$dir/common.lua" "$dir/concurrency.lua"

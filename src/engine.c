@@ -14,8 +14,10 @@
 #include "postgres.h"
 
 #include "access/htup_details.h"
+#include "catalog/pg_type.h"
 #include "funcapi.h"
 #include "miscadmin.h"
+#include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
 
@@ -204,6 +206,7 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 
 	d->allowed = (rl_on_error == RL_ON_ERROR_ALLOW);
 	d->from_redis = false;
+	d->from_cache = false;
 	d->lim = lim;
 	d->reset_ms = 0;
 	if (d->allowed)
@@ -259,6 +262,7 @@ rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 
 	d->allowed = reply->element[0]->integer != 0;
 	d->from_redis = true;
+	d->from_cache = false;
 	d->lim = (int32) reply->element[1]->integer;
 	d->remaining = (int32) reply->element[2]->integer;
 	d->reset_ms = reply->element[3]->integer;
@@ -294,26 +298,18 @@ bad:
 }
 
 /*
- * Decides n charges that share one cluster slot in one script call: applied
- * to all or to none. Fills d with the most restrictive result and *index
- * with its charge (and each charge's clock and epoch). The charges are made
- * under the refund scopes given ("" for none). False, with failure filled
- * in, when Redis gave no decision.
+ * Fills call with the script call that decides n charges sharing one
+ * cluster slot (run_all.lua: applied to all or to none), made under the
+ * refund scopes given ("" for none). Its arguments are palloc'd.
  */
-static bool
-rl_decide_group(RlCharge *charges, int n, const char *scopes, RlDecision *d,
-				int *index, RlFailure *failure)
+static void
+rl_group_call(RlCharge *charges, int n, const char *scopes, RlCall *call)
 {
 	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 2 + 5 * n;
 	const char **argv = palloc(sizeof(char *) * argc);
 	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
-	char	   *numbers = palloc(n * 4 * 24 + 24);
+	char	   *numbers = palloc(n * 4 * 24 + 48);
 	char	   *num = numbers;
-	char		now_s[24];
-	TimestampTz start;
-	RlConn	   *conn;
-	redisReply *reply;
-	bool		ok;
 	int			i = RL_SCRIPT_ARGV_RESERVED;
 	int			j;
 
@@ -325,8 +321,9 @@ rl_decide_group(RlCharge *charges, int n, const char *scopes, RlDecision *d,
 		argv[i] = charges[j].key->data;
 		argvlen[i++] = charges[j].key->len;
 	}
-	argv[i] = now_s;
-	argvlen[i++] = rl_clock_arg(now_s);
+	argv[i] = num;
+	argvlen[i++] = rl_clock_arg(num);
+	num += 24;
 	argv[i] = scopes;
 	argvlen[i++] = strlen(scopes);
 	for (j = 0; j < n; j++)
@@ -349,21 +346,40 @@ rl_decide_group(RlCharge *charges, int n, const char *scopes, RlDecision *d,
 		num += 24;
 	}
 	Assert(i == argc);
+	memset(call, 0, sizeof(RlCall));
+	call->key = charges[0].key->data;
+	call->keylen = charges[0].key->len;
+	call->script = &rl_script_check_all;
+	call->argc = argc;
+	call->argv = argv;
+	call->argvlen = argvlen;
+}
 
-	start = rl_stats ? GetCurrentTimestamp() : 0;
-	reply = rl_call(charges[0].key->data, charges[0].key->len,
-					&rl_script_check_all, argc, argv, argvlen, &conn, failure);
-	pfree(argv);
-	pfree(argvlen);
-	pfree(numbers);
-	ok = reply != NULL &&
-		rl_parse_decision(conn, reply, d, charges, n, index, failure);
+/*
+ * Takes the reply (or failure) of a group's call (rl_group_call) of n
+ * charges into d, *index and the charges, counts it, and frees the reply
+ * and the call's arguments; rtt_us: how long it took. False, with failure
+ * filled in, when Redis gave no decision.
+ */
+static bool
+rl_group_result(RlCall *call, RlCharge *charges, int n, int64 rtt_us,
+				RlDecision *d, int *index, RlFailure *failure)
+{
+	bool		ok;
+	int			j;
+
+	*failure = call->failure;
+	ok = call->reply != NULL &&
+		rl_parse_decision(call->conn, call->reply, d, charges, n, index,
+						  failure);
+	call->reply = NULL;
+	pfree(call->argv);
+	pfree(call->argvlen);
 	for (j = 0; j < n; j++)
 	{
 		if (ok)
 			rl_stats_decided(charges[j].key->data, charges[j].key->len, d,
-							 charges[j].cost,
-							 rl_stats ? GetCurrentTimestamp() - start : 0);
+							 charges[j].cost, rtt_us);
 		else
 		{
 			/* one outage is counted once, on the first key */
@@ -373,6 +389,28 @@ rl_decide_group(RlCharge *charges, int n, const char *scopes, RlDecision *d,
 		}
 	}
 	return ok;
+}
+
+/*
+ * Decides n charges that share one cluster slot in one script call: applied
+ * to all or to none. Fills d with the most restrictive result and *index
+ * with its charge (and each charge's clock and epoch). The charges are made
+ * under the refund scopes given ("" for none). False, with failure filled
+ * in, when Redis gave no decision.
+ */
+static bool
+rl_decide_group(RlCharge *charges, int n, const char *scopes, RlDecision *d,
+				int *index, RlFailure *failure)
+{
+	RlCall		call;
+	TimestampTz start = rl_stats ? GetCurrentTimestamp() : 0;
+
+	rl_group_call(charges, n, scopes, &call);
+	call.reply = rl_call(call.key, call.keylen, call.script, call.argc,
+						 call.argv, call.argvlen, &call.conn, &call.failure);
+	return rl_group_result(&call, charges, n,
+						   rl_stats ? GetCurrentTimestamp() - start : 0,
+						   d, index, failure);
 }
 
 /* Remembers n allowed charges for a refund on abort (by: who made them). */
@@ -422,6 +460,90 @@ rl_tighter(const RlDecision *a, const RlDecision *b)
 	return a->reset_ms > b->reset_ms;
 }
 
+/* A several-slots decision of rl_decide_many while its calls are out. */
+typedef struct RlSplit
+{
+	RlCharge   *charges;		/* the caller's */
+	RlSlotCharge *order;		/* charges by slot */
+	RlCharge   *group;			/* the charges in that order */
+	RlCall	   *calls;			/* one per slot */
+	int		   *first;			/* a call's first charge in group */
+	int		   *size;			/* and how many */
+	int			ncalls;
+	RlChargeBy	by;
+	bool		covered;		/* refund_on_abort covers the charges */
+	char		callscope[64];	/* else the refund scope of the call's own */
+} RlSplit;
+
+/*
+ * Takes in the replies of a several-slots decision (interrupted: an
+ * interrupt ended rl_call_many, and some calls have no reply): fills d,
+ * *index and failure as rl_decide_many says and gives back or remembers the
+ * slots' charges. Frees the replies; raises only when out of memory.
+ */
+static bool
+rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
+				 int *index, RlFailure *failure)
+{
+	RlCharge   *decided = palloc(sizeof(RlCharge) * Max(sp->first[sp->ncalls - 1] + sp->size[sp->ncalls - 1], 1));
+	int			ndecided = 0;
+	bool		found = false;
+	bool		ok = !interrupted;
+	int			g;
+	int			k;
+
+	for (g = 0; g < sp->ncalls; g++)
+	{
+		RlDecision	gd;
+		RlFailure	gf;
+		int			gi;
+		RlCharge   *gc = sp->group + sp->first[g];
+
+		if (interrupted && sp->calls[g].reply == NULL)
+		{
+			pfree(sp->calls[g].argv);
+			pfree(sp->calls[g].argvlen);
+			continue;
+		}
+		if (!rl_group_result(&sp->calls[g], gc, sp->size[g], rtt, &gd, &gi, &gf))
+		{
+			if (ok)
+				*failure = gf;
+			ok = false;
+			continue;
+		}
+		for (k = 0; k < sp->size[g]; k++)
+		{
+			sp->charges[sp->order[sp->first[g] + k].index].stamp_us = gc[k].stamp_us;
+			sp->charges[sp->order[sp->first[g] + k].index].epoch = gc[k].epoch;
+		}
+		if (!found || rl_tighter(&gd, d))
+		{
+			*d = gd;
+			*index = sp->order[sp->first[g] + gi].index;
+			found = true;
+		}
+		if (!gd.allowed)
+			continue;
+		/* covered: an abort gives them back; else below when needed */
+		if (sp->covered)
+			rl_remember_charges(gc, sp->size[g], sp->by);
+		else
+			memcpy(decided + ndecided, gc, sizeof(RlCharge) * sp->size[g]);
+		ndecided += sp->size[g];
+	}
+	for (k = 0; k < sp->first[sp->ncalls - 1] + sp->size[sp->ncalls - 1]; k++)
+		if (sp->group[k].failed)
+			sp->charges[sp->order[k].index].failed = true;
+
+	/* a slot denied or failed, or an interrupt: the others' units go back */
+	if (!sp->covered)
+		rl_refund_call_end(sp->callscope, decided, ndecided,
+						   !ok || !found || !d->allowed);
+	pfree(decided);
+	return ok;
+}
+
 /*
  * Decides n charges (a limit, a key and a cost each; cost < 0 gives back):
  * applied to all or to none. Fills d with the most restrictive result and
@@ -431,28 +553,22 @@ rl_tighter(const RlDecision *a, const RlDecision *b)
  *
  * Keys of one cluster slot go in one script call, which is atomic. Keys in
  * several slots (a statement guard over many identities, in cluster mode)
- * are decided one slot after another, until one denies or fails; the units
- * taken in the slots before it are then given back: by the abort that
- * follows (the callers raise on a denial) when refund_on_abort covers them,
- * else at once. Meanwhile another caller may see them taken.
+ * go in one call per slot, all pipelined (rl_call_many): one round trip per
+ * node. When one slot denies or fails, or an interrupt ends the wait, the
+ * units the other slots took are given back: by the abort that follows
+ * (the callers raise on a denial) when refund_on_abort covers them, else at
+ * once. Meanwhile another caller may see them taken.
  */
 bool
 rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 			   int *index, RlFailure *failure)
 {
-	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
-	RlSlotCharge *order;
-	RlCharge   *group;
-	RlCharge   *decided;
-	volatile int ndecided = 0;
-	bool		covered;
+	RlSplit		sp;
 	const char *scopes;
-	char		callscope[64];
-	volatile bool found = false;
-	volatile bool ok = true;
-	volatile int j;
-	volatile int size = 1;
-	int			k;
+	MemoryContext cxt = CurrentMemoryContext;
+	TimestampTz start;
+	bool		ok;
+	int			j;
 
 	for (j = 0; j < n; j++)
 		charges[j].failed = false;
@@ -462,6 +578,8 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 			break;
 	if (j >= n)
 	{
+		RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
+
 		if (!rl_decide_group(charges, n, rl_refund_scopes(by), d, index, failure))
 			return false;
 		if (d->allowed)
@@ -476,75 +594,59 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	 * back); else under a scope of the call's own, which is given back at
 	 * once when a slot denies or fails, or an interrupt ends the call.
 	 */
-	covered = rl_refund_covers(by);
-	scopes = covered ? rl_refund_scopes(by) : rl_refund_call_scope(callscope);
+	sp.charges = charges;
+	sp.by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
+	sp.covered = rl_refund_covers(sp.by);
+	scopes = sp.covered ? rl_refund_scopes(sp.by) : rl_refund_call_scope(sp.callscope);
 	scopes = pstrdup(scopes);
-
-	order = palloc(sizeof(RlSlotCharge) * n);
+	sp.order = palloc(sizeof(RlSlotCharge) * n);
 	for (j = 0; j < n; j++)
 	{
-		order[j].slot = rl_route_slot(charges[j].key->data, charges[j].key->len);
-		order[j].index = j;
+		sp.order[j].slot = rl_route_slot(charges[j].key->data, charges[j].key->len);
+		sp.order[j].index = j;
 	}
-	qsort(order, n, sizeof(RlSlotCharge), rl_slot_charge_cmp);
-	group = palloc(sizeof(RlCharge) * n);
-	decided = palloc(sizeof(RlCharge) * n);
+	qsort(sp.order, n, sizeof(RlSlotCharge), rl_slot_charge_cmp);
+	sp.group = palloc(sizeof(RlCharge) * n);
+	sp.first = palloc(sizeof(int) * n);
+	sp.size = palloc(sizeof(int) * n);
+	sp.calls = palloc(sizeof(RlCall) * n);
+	sp.ncalls = 0;
+	for (j = 0; j < n; j++)
+		sp.group[j] = charges[sp.order[j].index];
+	for (j = 0; j < n; j += sp.size[sp.ncalls++])
+	{
+		sp.first[sp.ncalls] = j;
+		for (sp.size[sp.ncalls] = 1;
+			 j + sp.size[sp.ncalls] < n &&
+			 sp.order[j + sp.size[sp.ncalls]].slot == sp.order[j].slot;
+			 sp.size[sp.ncalls]++)
+			;
+		rl_group_call(sp.group + j, sp.size[sp.ncalls], scopes, &sp.calls[sp.ncalls]);
+	}
+
+	start = GetCurrentTimestamp();
 	PG_TRY();
 	{
-		for (j = 0; j < n; j += size)
-		{
-			RlDecision	gd;
-			int			gi;
-
-			for (size = 1; j + size < n && order[j + size].slot == order[j].slot; size++)
-				;
-			for (k = 0; k < size; k++)
-				group[k] = charges[order[j + k].index];
-			ok = rl_decide_group(group, size, scopes, &gd, &gi, failure);
-			if (!ok)
-				break;
-			for (k = 0; k < size; k++)
-			{
-				charges[order[j + k].index].stamp_us = group[k].stamp_us;
-				charges[order[j + k].index].epoch = group[k].epoch;
-			}
-			if (!found || rl_tighter(&gd, d))
-			{
-				*d = gd;
-				*index = order[j + gi].index;
-				found = true;
-			}
-			if (!gd.allowed)
-				break;
-			if (covered)
-				rl_remember_charges(group, size, by);
-			else
-				memcpy(decided + ndecided, group, sizeof(RlCharge) * size);
-			ndecided += size;
-		}
+		rl_call_many(sp.calls, sp.ncalls);
 	}
 	PG_CATCH();
 	{
-		/* an interrupt: what the slots before took goes back */
-		if (!covered)
-			rl_refund_call_end(callscope, decided, ndecided, true);
+		RlFailure	ignored;
+
+		/* what came in is taken in (and given back) before the error goes on */
+		MemoryContextSwitchTo(cxt);
+		(void) rl_split_results(&sp, true, 0, d, index, &ignored);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
-
-	/* a failure: the group that failed and those not tried are its charges */
-	for (k = j; !ok && k < n; k++)
-	{
-		charges[order[k].index].failed = true;
-		if (k >= j + size)
-			rl_stats_failed(charges[order[k].index].key->data,
-							charges[order[k].index].key->len, failure, false);
-	}
-	if (!covered)
-		rl_refund_call_end(callscope, decided, ndecided, j < n);
-	pfree(order);
-	pfree(group);
-	pfree(decided);
+	ok = rl_split_results(&sp, false,
+						  rl_stats ? GetCurrentTimestamp() - start : 0,
+						  d, index, failure);
+	pfree(sp.order);
+	pfree(sp.group);
+	pfree(sp.first);
+	pfree(sp.size);
+	pfree(sp.calls);
 	pfree((char *) scopes);
 	return ok;
 }
@@ -572,9 +674,19 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
 	const char *scopes = cost > 0 ? rl_refund_scopes(by) : "";
 	TimestampTz start;
+	int64		sent_ms;
 	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure = {0};
+
+	/* a denial remembered here answers without Redis (deny_cache) */
+	if (rl_deny_cache_lookup(key->data, key->len, limit, cost, d))
+	{
+		rl_stats_decided(key->data, key->len, d, cost, 0);
+		return;
+	}
+	if (cost < 0)
+		rl_deny_cache_forget();
 
 	argv[2] = "1";
 	argvlen[2] = 1;
@@ -596,6 +708,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	argvlen[10] = strlen(scopes);
 
 	start = rl_stats ? GetCurrentTimestamp() : 0;
+	sent_ms = rl_deny_cache ? rl_deny_cache_now() : 0;
 	reply = rl_call(key->data, key->len, &limit->algorithm->script, 11, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
@@ -611,8 +724,372 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
 	if (d->allowed && cost > 0)
 		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by);
-	else if (!d->allowed && cost > 0 && policy != NULL && rl_track_denials)
-		rl_note_denial(policy, identity);
+	else if (!d->allowed && cost > 0)
+	{
+		rl_deny_cache_store(key->data, key->len, limit, cost, d, sent_ms);
+		if (policy != NULL && rl_track_denials)
+			rl_note_denial(policy, identity);
+	}
+}
+
+/* the most keys one batch script call decides (it holds Redis meanwhile) */
+#define RL_BATCH_KEYS 500
+
+/* A key of a batch and its place in the caller's array. */
+typedef struct RlBatchKey
+{
+	StringInfo	key;			/* points at view */
+	StringInfoData view;		/* of the key's bytes in the batch's buffer */
+	int			offset;			/* where they are in that buffer */
+	int			slot;
+	int			index;
+} RlBatchKey;
+
+/* qsort order of RlBatchKey: by slot, then as the caller gave them */
+static int
+rl_batch_key_cmp(const void *a, const void *b)
+{
+	const RlBatchKey *x = (const RlBatchKey *) a;
+	const RlBatchKey *y = (const RlBatchKey *) b;
+
+	if (x->slot != y->slot)
+		return (x->slot > y->slot) - (x->slot < y->slot);
+	return (x->index > y->index) - (x->index < y->index);
+}
+
+/*
+ * Turns the reply of a batch script call of n keys into d[index[0..n-1]]
+ * and frees it; false, with failure filled in, when it is an error or not
+ * the 7 * n integers run_many.lua returns.
+ */
+static bool
+rl_parse_batch(RlConn *conn, redisReply *reply, RlBatchKey *keys, int n,
+			   RlDecision *d, RlFailure *failure)
+{
+	size_t		i;
+	int			j;
+
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(conn, reply, failure);
+		return false;
+	}
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != (size_t) n * 7)
+		goto bad;
+	for (i = 0; i < reply->elements; i++)
+		if (reply->element[i]->type != REDIS_REPLY_INTEGER)
+			goto bad;
+	for (j = 0; j < n; j++)
+	{
+		redisReply **e = reply->element + j * 7;
+
+		if (e[1]->integer <= 0 || e[1]->integer > PG_INT32_MAX ||
+			e[2]->integer < 0 || e[2]->integer > PG_INT32_MAX)
+			goto bad;
+	}
+	for (j = 0; j < n; j++)
+	{
+		redisReply **e = reply->element + j * 7;
+		RlDecision *r = &d[keys[j].index];
+
+		r->allowed = e[0]->integer != 0;
+		r->from_redis = true;
+		r->from_cache = false;
+		r->lim = (int32) e[1]->integer;
+		r->remaining = (int32) e[2]->integer;
+		r->reset_ms = e[3]->integer;
+		r->retry_after_ms = e[4]->integer;
+		r->stamp_us = e[5]->integer;
+		r->epoch = e[6]->integer;
+	}
+	freeReplyObject(reply);
+	return true;
+
+bad:
+	freeReplyObject(reply);
+	failure->first_in_outage = true;
+	failure->breaker_opened = false;
+	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
+	snprintf(failure->message, sizeof(failure->message),
+			 "unexpected reply from the rate-limit script at Redis %s",
+			 rl_conn_name(conn));
+	return false;
+}
+
+/*
+ * Takes in the replies of a batch's calls (rl_decide_batch): fills the
+ * decisions of the keys of each call that got one, counts them, remembers
+ * allowed charges for a refund on abort and puts the denied ones of
+ * identities in denied[] (when not NULL; returns how many); frees the
+ * replies. With
+ * failures NULL (an interrupt ended the calls), the calls with no reply are
+ * passed over; else failures[c] is the failure of call c (sqlerrcode 0:
+ * none). Raises only when out of memory.
+ */
+static int
+rl_batch_results(const RlLimit *limit, RlBatchKey *keys, RlCall *calls,
+				 int *first, int *size, int ncalls, int32 cost, int64 rtt,
+				 RlDecision *d, RlFailure *failures, text **identities,
+				 text **denied)
+{
+	int			ndenied = 0;
+	int			c;
+	int			j;
+
+	for (c = 0; c < ncalls; c++)
+	{
+		RlFailure	failure = calls[c].failure;
+		bool		ok;
+
+		if (failures == NULL && calls[c].reply == NULL)
+			continue;
+		ok = calls[c].reply != NULL &&
+			rl_parse_batch(calls[c].conn, calls[c].reply, keys + first[c],
+						   size[c], d, &failure);
+		calls[c].reply = NULL;
+		if (failures != NULL)
+		{
+			failures[c] = failure;
+			if (ok)
+				failures[c].sqlerrcode = 0;
+			else if (failures[c].sqlerrcode == 0)
+				failures[c].sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+		}
+		if (!ok)
+			continue;
+		for (j = first[c]; j < first[c] + size[c]; j++)
+		{
+			RlDecision *r = &d[keys[j].index];
+
+			rl_stats_decided(keys[j].key->data, keys[j].key->len, r, cost, rtt);
+			if (r->allowed && cost > 0)
+				rl_remember_charge(limit, keys[j].key, cost, r->stamp_us,
+								   r->epoch, RL_BY_CALL);
+			else if (!r->allowed && cost > 0 && denied != NULL)
+				denied[ndenied++] = identities[keys[j].index];
+		}
+	}
+	return ndenied;
+}
+
+/*
+ * Decides limit for each of n identities on its own, cost units each (not
+ * all or nothing: each identity gets its own decision, in d[i]), on the
+ * policy's keys (policy not NULL) or the explicit limit's. The keys of one
+ * cluster slot go in script calls of at most RL_BATCH_KEYS keys, and all
+ * the calls are pipelined (rl_call_many): one round trip per Redis node.
+ * The same identity given twice is decided twice, in order. Allowed
+ * charges are remembered for a refund on abort, denials of a policy
+ * counted for rl_top_denied; the calls Redis gave no decision get
+ * rl_redis.on_error, after every reply is in.
+ */
+void
+rl_decide_batch(const RlLimit *limit, text **identities, int n,
+				const char *policy, int32 cost, RlDecision *d)
+{
+	RlBatchKey *keys = palloc(sizeof(RlBatchKey) * Max(n, 1));
+	RlCall	   *calls;
+	RlFailure  *failures;
+	int		   *first;
+	int		   *size;
+	int			ncalls = 0;
+	char		suffix[64];
+	char		lim_s[16],
+				window_s[24],
+				burst_s[16],
+				cost_s[16],
+				now_s[24];
+	const char *scopes = cost > 0 ? rl_refund_scopes(RL_BY_CALL) : "";
+	const char *suffix_s = policy ? policy : rl_limit_suffix(limit, suffix);
+	MemoryContext cxt = CurrentMemoryContext;
+	StringInfoData all;
+	TimestampTz start;
+	text	  **denied = palloc(sizeof(text *) * Max(n, 1));
+	int			ndenied;
+	int			i,
+				j,
+				c;
+
+	/* the keys, one after another in one buffer (each NUL-terminated) */
+	initStringInfo(&all);
+	for (i = 0; i < n; i++)
+	{
+		StringInfo	key = rl_build_key(limit->algorithm->name, identities[i],
+									   suffix_s);
+
+		keys[i].offset = all.len;
+		keys[i].view.len = key->len;
+		keys[i].view.maxlen = key->len + 1;
+		keys[i].view.cursor = 0;
+		appendBinaryStringInfo(&all, key->data, key->len);
+		appendStringInfoChar(&all, '\0');
+		keys[i].index = i;
+	}
+	for (i = 0; i < n; i++)
+	{
+		keys[i].view.data = all.data + keys[i].offset;
+		keys[i].slot = rl_route_slot(keys[i].view.data, keys[i].view.len);
+	}
+	if (rl_mode == RL_MODE_CLUSTER)
+		qsort(keys, n, sizeof(RlBatchKey), rl_batch_key_cmp);
+	for (i = 0; i < n; i++)
+		keys[i].key = &keys[i].view;
+
+	/* one call per run of at most RL_BATCH_KEYS keys of one slot */
+	first = palloc(sizeof(int) * Max(n, 1));
+	size = palloc(sizeof(int) * Max(n, 1));
+	for (i = 0; i < n; i += size[ncalls++])
+	{
+		first[ncalls] = i;
+		for (size[ncalls] = 1;
+			 i + size[ncalls] < n && size[ncalls] < RL_BATCH_KEYS &&
+			 keys[i + size[ncalls]].slot == keys[i].slot;
+			 size[ncalls]++)
+			;
+	}
+
+	pg_ltoa(limit->lim, lim_s);
+	pg_lltoa(limit->window_ms, window_s);
+	pg_ltoa(limit->burst, burst_s);
+	pg_ltoa(cost, cost_s);
+	rl_clock_arg(now_s);
+	calls = palloc0(sizeof(RlCall) * Max(ncalls, 1));
+	for (c = 0; c < ncalls; c++)
+	{
+		int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + size[c] + 7;
+		const char **argv = palloc(sizeof(char *) * argc);
+		size_t	   *argvlen = palloc(sizeof(size_t) * argc);
+		char	   *nkeys = palloc(16);
+		int			a = RL_SCRIPT_ARGV_RESERVED;
+
+		argv[a] = nkeys;
+		argvlen[a++] = pg_ltoa(size[c], nkeys);
+		for (j = 0; j < size[c]; j++)
+		{
+			argv[a] = keys[first[c] + j].key->data;
+			argvlen[a++] = keys[first[c] + j].key->len;
+		}
+		argv[a] = limit->algorithm->name;
+		argvlen[a++] = strlen(limit->algorithm->name);
+		argv[a] = lim_s;
+		argvlen[a++] = strlen(lim_s);
+		argv[a] = window_s;
+		argvlen[a++] = strlen(window_s);
+		argv[a] = burst_s;
+		argvlen[a++] = strlen(burst_s);
+		argv[a] = cost_s;
+		argvlen[a++] = strlen(cost_s);
+		argv[a] = now_s;
+		argvlen[a++] = strlen(now_s);
+		argv[a] = scopes;
+		argvlen[a++] = strlen(scopes);
+		Assert(a == argc);
+		calls[c].key = keys[first[c]].key->data;
+		calls[c].keylen = keys[first[c]].key->len;
+		calls[c].script = &rl_script_check_many;
+		calls[c].argc = argc;
+		calls[c].argv = argv;
+		calls[c].argvlen = argvlen;
+	}
+
+	start = GetCurrentTimestamp();
+	PG_TRY();
+	{
+		rl_call_many(calls, ncalls);
+	}
+	PG_CATCH();
+	{
+		/* what came in is taken in (charges remembered) before the error goes on */
+		MemoryContextSwitchTo(cxt);
+		(void) rl_batch_results(limit, keys, calls, first, size, ncalls, cost,
+								0, d, NULL, identities, NULL);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	failures = palloc0(sizeof(RlFailure) * Max(ncalls, 1));
+	ndenied = rl_batch_results(limit, keys, calls, first, size, ncalls, cost,
+							   rl_stats ? GetCurrentTimestamp() - start : 0,
+							   d, failures, identities, denied);
+	if (ndenied > 0 && policy != NULL && rl_track_denials)
+		rl_note_denials(policy, denied, ndenied);
+	for (c = 0; c < ncalls; c++)
+	{
+		if (failures[c].sqlerrcode == 0)
+			continue;
+		for (j = first[c]; j < first[c] + size[c]; j++)
+		{
+			rl_stats_failed(keys[j].key->data, keys[j].key->len, &failures[c],
+							j == first[c]);
+			rl_apply_on_error(&failures[c],
+							  limit->burst > 0 ? limit->burst : limit->lim,
+							  cost, &d[keys[j].index]);
+			rl_stats_decided(keys[j].key->data, keys[j].key->len,
+							 &d[keys[j].index], cost, 0);
+			/* one warning per failed call */
+			failures[c].first_in_outage = false;
+		}
+	}
+}
+
+/*
+ * The rows of a batch function (rl_check_many, rl_<algorithm>_many): decides
+ * limit (on the policy's keys when policy is not NULL) for each identity of
+ * the text array argument argno, cost units each, and returns one row per
+ * element, in the array's order: (identity, allowed, lim, remaining,
+ * reset_ms, retry_after_ms). Every element is checked before Redis is
+ * asked anything.
+ */
+void
+rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
+			  const char *policy, int argno, int32 cost)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	ArrayType  *array;
+	Datum	   *elems;
+	bool	   *nulls;
+	text	  **identities;
+	RlDecision *d;
+	int			n;
+	int			i;
+
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("identities must not be null")));
+	array = PG_GETARG_ARRAYTYPE_P(argno);
+	deconstruct_array(array, TEXTOID, -1, false, TYPALIGN_INT,
+					  &elems, &nulls, &n);
+	identities = palloc(sizeof(text *) * Max(n, 1));
+	for (i = 0; i < n; i++)
+	{
+		if (nulls[i])
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("identities must not contain null")));
+		identities[i] = DatumGetTextPP(elems[i]);
+		if (VARSIZE_ANY_EXHDR(identities[i]) == 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("identity must not be empty")));
+	}
+
+	InitMaterializedSRF(fcinfo, 0);
+	d = palloc(sizeof(RlDecision) * Max(n, 1));
+	if (n > 0)
+		rl_decide_batch(limit, identities, n, policy, cost, d);
+	for (i = 0; i < n; i++)
+	{
+		Datum		values[6];
+		bool		rnulls[6] = {false, false, false, false, false, false};
+
+		values[0] = PointerGetDatum(identities[i]);
+		values[1] = BoolGetDatum(d[i].allowed);
+		values[2] = Int32GetDatum(d[i].lim);
+		values[3] = Int32GetDatum(d[i].remaining);
+		values[4] = Int64GetDatum(d[i].reset_ms);
+		values[5] = Int64GetDatum(d[i].retry_after_ms);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, rnulls);
+	}
 }
 
 /*

@@ -48,10 +48,37 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 }
 
 /*
- * For each algorithm, three SQL functions over rl_decide_args:
+ * Decides for the arguments (identities, lim, window_ms, cost [, burst]) of
+ * the batch function being called: its rows (rl_batch_rows).
+ */
+static void
+rl_decide_many_args(FunctionCallInfo fcinfo, int algorithm)
+{
+	RlLimit		limit;
+
+	rl_check_not_null(fcinfo, 1, "lim");
+	rl_check_not_null(fcinfo, 2, "window_ms");
+	limit.algorithm = &rl_algorithms[algorithm];
+	limit.lim = PG_GETARG_INT32(1);
+	limit.window_ms = PG_GETARG_INT64(2);
+	limit.burst = 0;
+	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
+	{
+		limit.burst = PG_GETARG_INT32(4);
+		if (limit.burst <= 0)
+			limit.burst = -1;	/* rejected by rl_check_limit */
+	}
+	rl_check_limit(&limit);
+	rl_batch_rows(fcinfo, &limit, NULL, 0, rl_get_cost(fcinfo, 3, "cost"));
+}
+
+/*
+ * For each algorithm, four SQL functions over rl_decide_args and
+ * rl_decide_many_args:
  *   rl_<alg>(identity, lim, window_ms, cost [, burst])        -> rl_result
  *   rl_<alg>_allow(identity, lim, window_ms, cost [, burst])  -> boolean
  *   rl_<alg>_refund(identity, lim, window_ms, amount [, burst]) -> rl_result
+ *   rl_<alg>_many(identities, lim, window_ms, cost [, burst])  -> rows
  */
 #define RL_ALGORITHM_FUNCTIONS(alg, index) \
 PG_FUNCTION_INFO_V1(rl_##alg); \
@@ -77,6 +104,13 @@ rl_##alg##_refund(PG_FUNCTION_ARGS) \
 	RlDecision	d; \
 	rl_decide_args(fcinfo, index, true, &d); \
 	return rl_result_datum(fcinfo, &d); \
+} \
+PG_FUNCTION_INFO_V1(rl_##alg##_many); \
+Datum \
+rl_##alg##_many(PG_FUNCTION_ARGS) \
+{ \
+	rl_decide_many_args(fcinfo, index); \
+	return (Datum) 0; \
 }
 
 
@@ -256,6 +290,8 @@ rl_reset(PG_FUNCTION_ARGS)
 	 * In cluster mode every master is scanned: the keys of the identity
 	 * share a slot, but while it migrates they are on two nodes.
 	 */
+	/* the identity's remembered denials go, now and once its keys are gone */
+	rl_deny_cache_forget();
 	n = rl_route_all(&conns, &failure);
 	if (n < 0)
 		rl_raise(&failure);
@@ -276,6 +312,7 @@ rl_reset(PG_FUNCTION_ARGS)
 						  key->len - prefix_len - 1, cursor, sizeof(cursor));
 		} while (strcmp(cursor, "0") != 0);
 	}
+	rl_deny_cache_forget();
 	pfree(pattern.data);
 	PG_RETURN_VOID();
 }

@@ -47,6 +47,7 @@ int			rl_max_lease = 3600000;
 int			rl_sliding_max_lim = 10000;
 bool		rl_tls = false;
 bool		rl_stats = true;
+bool		rl_deny_cache = false;
 bool		rl_track_denials = false;
 char	   *rl_tls_ca_file = NULL;
 char	   *rl_tls_cert_file = NULL;
@@ -639,6 +640,15 @@ rl_define_gucs(void)
 							 NULL,
 							 &rl_stats,
 							 true,
+							 PGC_SUSET,
+							 0,
+							 NULL, NULL, NULL);
+
+	DefineCustomBoolVariable("rl_redis.deny_cache",
+							 "Whether denials are remembered in the backend until their retry time, so that calls for a denied identity are denied without Redis.",
+							 "Only with the library in shared_preload_libraries. Refunds and resets made on other servers are not seen: they can cause denials until the remembered retry time.",
+							 &rl_deny_cache,
+							 false,
 							 PGC_SUSET,
 							 0,
 							 NULL, NULL, NULL);

@@ -304,6 +304,22 @@ rl_refund(PG_FUNCTION_ARGS)
 	return rl_result_datum(fcinfo, &d);
 }
 
+PG_FUNCTION_INFO_V1(rl_check_many);
+
+/*
+ * rl_check_many(policy, identities, cost): the policy's decision for each
+ * identity on its own, one row each, in one round trip per Redis node.
+ */
+Datum
+rl_check_many(PG_FUNCTION_ARGS)
+{
+	RlPolicy	policy = rl_rate_policy_arg(fcinfo, 0);
+	int32		cost = rl_get_cost(fcinfo, 2, "cost");
+
+	rl_batch_rows(fcinfo, &policy.limit, policy.name, 1, cost);
+	return (Datum) 0;
+}
+
 /*
  * Decides every policy in the array for one identity in one script call:
  * the cost is taken from all of them or from none. d is the most

@@ -344,6 +344,10 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	int			j;
 	RlConn	   *conn;
 
+	/* units come back: no backend may deny from a remembered denial */
+	if (refund)
+		rl_deny_cache_forget();
+
 	argv[i] = num;
 	argvlen[i++] = pg_ltoa(n, num);
 	num += 24;

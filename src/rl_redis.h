@@ -9,6 +9,7 @@
  * src/guc.c          the rl_redis.* settings
  * src/stats.c        counters of the decisions per database and policy
  *                    (shared memory when preloaded) and their SQL functions
+ * src/denycache.c    the local cache of denials (rl_redis.deny_cache)
  * src/breaker.c      the circuit breaker of one connection
  * src/tls.c          TLS of one connection (OpenSSL, never waits itself)
  * src/transport.c    the per-backend cache of connections (RlConn, by
@@ -18,13 +19,14 @@
  *                    reload on NOSCRIPT), the scripts' shared arguments
  * src/router.c       where a key goes by rl_redis.mode: the one server, the
  *                    master of its Redis Cluster slot (MOVED, ASK,
- *                    TRYAGAIN), or the master the sentinels name
+ *                    TRYAGAIN), or the master the sentinels name; batches
+ *                    of calls pipelined per node
  * src/refund.c       giving back what an aborted (sub)transaction took
  * src/denials.c      who is being throttled: denials per identity and
  *                    minute in Redis (rl_redis.track_denials), rl_top_denied
  * src/engine.c       the decision engine: arguments, keys, script call,
  *                    reply, rl_result, on_error; a several-keys call is
- *                    split per cluster slot
+ *                    split per cluster slot; batch decisions
  * src/policy.c       named policies (rl_policy) and several limits at once
  * src/concurrency.c  concurrency limits (slots held by a transaction)
  * src/guard.c        trigger functions that rate-limit writes
@@ -122,6 +124,7 @@ extern int	rl_sliding_max_lim;
 extern bool rl_tls;
 extern bool rl_stats;
 extern bool rl_track_denials;
+extern bool rl_deny_cache;
 extern char *rl_tls_ca_file;
 extern char *rl_tls_cert_file;
 extern char *rl_tls_key_file;
@@ -233,6 +236,18 @@ extern const char *rl_conn_name(RlConn *conn);
 extern void rl_conn_reset_breaker(RlConn *conn);
 extern redisReply *rl_command(RlConn *conn, int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
+/* One command of a pipeline: its arguments. */
+typedef struct RlCommand
+{
+	int			argc;
+	const char **argv;
+	const size_t *argvlen;
+} RlCommand;
+
+extern bool rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds,
+							 int limit_ms, RlFailure *failure);
+extern redisReply *rl_pipeline_recv(RlConn *conn, RlFailure *failure);
+extern bool rl_conn_script_known(RlConn *conn, int id);
 extern redisReply *rl_command_within(RlConn *conn, int argc,
 									 const char **argv, const size_t *argvlen,
 									 int limit_ms, RlFailure *failure);
@@ -272,8 +287,8 @@ enum
 
 extern const RlAlgorithm rl_algorithms[RL_NUM_ALGORITHMS];
 
-/* the scripts: one per algorithm, then the six that serve several */
-#define RL_NUM_SCRIPTS (RL_NUM_ALGORITHMS + 6)
+/* the scripts: one per algorithm, then the seven that serve several */
+#define RL_NUM_SCRIPTS (RL_NUM_ALGORITHMS + 7)
 
 extern const RlScript rl_script_check_all;
 extern const RlScript rl_script_refund;
@@ -281,6 +296,7 @@ extern const RlScript rl_script_forget;
 extern const RlScript rl_script_concurrency;
 extern const RlScript rl_script_denial_note;
 extern const RlScript rl_script_denial_top;
+extern const RlScript rl_script_check_many;
 
 /* argv[0] and argv[1] are left for rl_run_script to fill in */
 #define RL_SCRIPT_ARGV_RESERVED 2
@@ -304,8 +320,25 @@ extern redisReply *rl_call(const char *key, size_t keylen,
 						   size_t *argvlen, RlConn **connp,
 						   RlFailure *failure);
 
+/* One call of a batch (rl_call_many). */
+typedef struct RlCall
+{
+	const char *key;			/* the key it routes by */
+	size_t		keylen;
+	const RlScript *script;
+	int			argc;			/* argv[0] and argv[1] are filled in */
+	const char **argv;
+	size_t	   *argvlen;
+	redisReply *reply;			/* filled in: the reply, or NULL */
+	RlConn	   *conn;			/* filled in: where it went */
+	RlFailure	failure;		/* filled in when reply is NULL */
+} RlCall;
+
+extern void rl_call_many(RlCall *calls, int n);
+
 /* who is being throttled (denials.c) */
 extern void rl_note_denial(const char *policy, text *identity);
+extern void rl_note_denials(const char *policy, text **identities, int n);
 extern redisReply *rl_denials_top(const char *policy, int minutes, int32 n,
 								  RlConn **connp, RlFailure *failure);
 
@@ -321,6 +354,7 @@ typedef struct RlDecision
 	int64		stamp_us;		/* the clock Redis decided on */
 	int64		epoch;			/* the key's epoch (fixed, sliding_counter) */
 	bool		from_redis;		/* false: rl_redis.on_error decided */
+	bool		from_cache;		/* a denial the local cache remembered */
 } RlDecision;
 
 /* statistics (stats.c) */
@@ -355,6 +389,18 @@ extern void rl_stats_failed(const char *key, size_t len,
 							const RlFailure *failure, bool count_outage);
 extern void rl_stats_refunded(const char *key, size_t len, int64 units);
 
+/* the local cache of denials (denycache.c) */
+typedef struct RlLimit RlLimit;
+extern void rl_deny_cache_init(void);
+extern int64 rl_deny_cache_now(void);
+extern bool rl_deny_cache_lookup(const char *key, size_t len,
+								 const RlLimit *limit, int32 cost,
+								 RlDecision *d);
+extern void rl_deny_cache_store(const char *key, size_t len,
+								const RlLimit *limit, int32 cost,
+								const RlDecision *d, int64 sent_ms);
+extern void rl_deny_cache_forget(void);
+
 /*
  * The longest window (and lease): 100 years. Longer ones would push the
  * scripts' microsecond times past what a double holds exactly.
@@ -375,13 +421,13 @@ extern void rl_stats_refunded(const char *key, size_t len, int64 units);
 #define RL_MAX_TEST_CLOCK_MS 4102444800000.0
 
 /* The arguments of one limit. */
-typedef struct RlLimit
+struct RlLimit
 {
 	const RlAlgorithm *algorithm;
 	int32		lim;
 	int64		window_ms;
 	int32		burst;			/* 0 when none */
-} RlLimit;
+};
 
 extern StringInfo rl_build_key(const char *kind, text *identity,
 							   const char *suffix);
@@ -392,6 +438,10 @@ extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);
+extern void rl_decide_batch(const RlLimit *limit, text **identities, int n,
+							const char *policy, int32 cost, RlDecision *d);
+extern void rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
+						  const char *policy, int argno, int32 cost);
 extern void rl_decide_limit(const RlLimit *limit, text *identity,
 							const char *policy, int32 cost, bool by_guard,
 							RlDecision *d);

@@ -882,3 +882,180 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 		freeReplyObject(reply);
 	}
 }
+
+/*
+ * True when an error reply says that Redis did not run the call and it may
+ * be sent again: the script was not loaded, or the cluster sent it
+ * elsewhere, asked to try again, or the node is a replica now.
+ */
+static bool
+rl_reply_not_run(const redisReply *reply)
+{
+	return reply->type == REDIS_REPLY_ERROR &&
+		(strncmp(reply->str, "NOSCRIPT", 8) == 0 ||
+		 strncmp(reply->str, "MOVED ", 6) == 0 ||
+		 strncmp(reply->str, "ASK ", 4) == 0 ||
+		 strncmp(reply->str, "TRYAGAIN", 8) == 0 ||
+		 strncmp(reply->str, "CLUSTERDOWN", 11) == 0 ||
+		 strncmp(reply->str, "READONLY", 8) == 0);
+}
+
+/*
+ * Runs n script calls, each on its key's node: the calls that go to one
+ * connection are written in one pipeline and their replies read in order,
+ * one connection after another, so that the batch costs about one round
+ * trip per node. Each call's reply (the caller frees it; it may be an error
+ * reply) or failure, and the connection it went to, are filled in.
+ *
+ * A call that Redis did not run (NOSCRIPT, a redirection, TRYAGAIN,
+ * READONLY), or that never left because its connection could not be made
+ * (cluster and sentinel modes, where the route may change), is sent once
+ * more by rl_call, which follows redirections; after command_timeout (2 s
+ * when none) since the batch began no call is sent again. A call whose
+ * connection was lost after it was written is never sent again.
+ *
+ * An interrupt raises its error from inside; the replies read until then
+ * are in calls[], for the caller to free.
+ */
+void
+rl_call_many(RlCall *calls, int n)
+{
+	int			timeout = rl_command_timeout > 0 ? rl_command_timeout : 2000;
+	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+													   timeout);
+	RlConn	  **conns = palloc(sizeof(RlConn *) * Max(n, 1));
+	int		   *group = palloc(sizeof(int) * Max(n, 1));
+	bool	   *again = palloc0(sizeof(bool) * Max(n, 1));
+	RlCommand  *cmds = palloc(sizeof(RlCommand) * Max(n, 1));
+	int		   *members = palloc(sizeof(int) * Max(n, 1));
+	int			nconns = 0;
+	int			c;
+	int			i;
+
+	may_ask = true;
+	if (rl_mode == RL_MODE_CLUSTER)
+		rl_send_queued(NULL);
+
+	/* the route of each call, and the distinct connections */
+	for (i = 0; i < n; i++)
+	{
+		RlConn	   *conn;
+
+		calls[i].reply = NULL;
+		memset(&calls[i].failure, 0, sizeof(RlFailure));
+		conn = rl_route(calls[i].key, calls[i].keylen, &calls[i].failure);
+		calls[i].conn = conn;
+		group[i] = -1;
+		if (conn == NULL)
+			continue;
+		for (c = 0; c < nconns && conns[c] != conn; c++)
+			;
+		if (c == nconns)
+			conns[nconns++] = conn;
+		group[i] = c;
+	}
+
+	/* one pipeline per connection, all written before any is read */
+	for (c = 0; c < nconns; c++)
+	{
+		int			k = 0;
+		bool		eval = false;
+		RlFailure	failure = {0};
+
+		for (i = 0; i < n; i++)
+		{
+			RlCall	   *call = &calls[i];
+
+			if (group[i] != c)
+				continue;
+			/* a script the server may not know goes as EVAL first, once */
+			if (!eval && !rl_conn_script_known(conns[c], call->script->id))
+			{
+				call->argv[0] = "EVAL";
+				call->argvlen[0] = 4;
+				call->argv[1] = call->script->body;
+				call->argvlen[1] = strlen(call->script->body);
+				eval = true;
+			}
+			else
+			{
+				call->argv[0] = "EVALSHA";
+				call->argvlen[0] = 7;
+				call->argv[1] = call->script->sha;
+				call->argvlen[1] = 40;
+			}
+			cmds[k].argc = call->argc;
+			cmds[k].argv = call->argv;
+			cmds[k].argvlen = call->argvlen;
+			members[k++] = i;
+		}
+		if (rl_pipeline_send(conns[c], k, cmds, -1, &failure))
+			continue;
+		if (rl_mode != RL_MODE_STANDALONE)
+			rl_route_failed(conns[c]);
+		for (i = 0; i < k; i++)
+		{
+			calls[members[i]].failure = failure;
+			again[members[i]] = !rl_command_was_sent(conns[c]) &&
+				rl_mode != RL_MODE_STANDALONE;
+			group[members[i]] = -1;
+		}
+	}
+
+	/* the replies, in order, connection after connection */
+	for (c = 0; c < nconns; c++)
+	{
+		bool		lost = false;
+		RlFailure	failure = {0};
+
+		for (i = 0; i < n; i++)
+		{
+			if (group[i] != c)
+				continue;
+			if (!lost)
+				calls[i].reply = rl_pipeline_recv(conns[c], &failure);
+			if (calls[i].reply == NULL)
+			{
+				/* written: it may have run, so it is never sent again */
+				if (!lost && rl_mode != RL_MODE_STANDALONE)
+					rl_route_failed(conns[c]);
+				lost = true;
+				calls[i].failure = failure;
+				continue;
+			}
+			if (rl_reply_not_run(calls[i].reply))
+				again[i] = true;
+			else if (calls[i].reply->type != REDIS_REPLY_ERROR)
+				rl_conn_script_loaded(conns[c], calls[i].script->id);
+		}
+	}
+
+	/* what did not run goes once more, one call at a time, while there is time */
+	for (i = 0; i < n; i++)
+	{
+		if (!again[i])
+			continue;
+		if (calls[i].reply != NULL)
+		{
+			freeReplyObject(calls[i].reply);
+			calls[i].reply = NULL;
+		}
+		if (GetCurrentTimestamp() >= deadline)
+		{
+			calls[i].failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+			calls[i].failure.first_in_outage = true;
+			snprintf(calls[i].failure.message, sizeof(calls[i].failure.message),
+					 "timed out: Redis did not run a call of a batch within %d ms",
+					 timeout);
+			continue;
+		}
+		calls[i].reply = rl_call(calls[i].key, calls[i].keylen, calls[i].script,
+								 calls[i].argc, calls[i].argv, calls[i].argvlen,
+								 &calls[i].conn, &calls[i].failure);
+	}
+	pfree(conns);
+	pfree(group);
+	pfree(again);
+	pfree(cmds);
+	pfree(members);
+}

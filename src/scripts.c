@@ -31,6 +31,7 @@ const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA, RL_NUM_ALGO
 const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA, RL_NUM_ALGORITHMS + 3};
 const RlScript rl_script_denial_note = {RL_LUA_DENIAL_NOTE, RL_LUA_DENIAL_NOTE_SHA, RL_NUM_ALGORITHMS + 4};
 const RlScript rl_script_denial_top = {RL_LUA_DENIAL_TOP, RL_LUA_DENIAL_TOP_SHA, RL_NUM_ALGORITHMS + 5};
+const RlScript rl_script_check_many = {RL_LUA_CHECK_MANY, RL_LUA_CHECK_MANY_SHA, RL_NUM_ALGORITHMS + 6};
 
 StaticAssertDecl(RL_NUM_SCRIPTS <= 32, "a connection keeps its loaded scripts in 32 bits");
 

@@ -297,8 +297,12 @@ rl_stats_decided(const char *key, size_t len, const RlDecision *d,
 			e->counters.denied++;
 		if (cost < 0)
 			e->counters.units_refunded -= cost;
-		e->counters.rtt[bucket]++;
-		e->counters.rtt_sum_us += rtt_us;
+		/* a remembered denial made no round trip */
+		if (!d->from_cache)
+		{
+			e->counters.rtt[bucket]++;
+			e->counters.rtt_sum_us += rtt_us;
+		}
 	}
 	rl_stats_unlock(e);
 }

@@ -108,6 +108,8 @@ struct RlConn
 								 * replies: safe to send */
 	bool		last_command_sent;	/* the last command was written whole
 									 * (it may have run) */
+	int			replies_due;	/* of the commands rl_pipeline_send wrote */
+	TimestampTz replies_deadline;	/* when they are due at the latest */
 	RlBreaker	breaker;
 	StringInfoData settings;	/* the connection settings it was made with */
 
@@ -409,6 +411,13 @@ void
 rl_conn_script_loaded(RlConn *conn, int id)
 {
 	conn->scripts_loaded |= (uint32) 1 << id;
+}
+
+/* True when script id is known loaded on conn's server. */
+bool
+rl_conn_script_known(RlConn *conn, int id)
+{
+	return (conn->scripts_loaded & ((uint32) 1 << id)) != 0;
 }
 
 /* The host name (or address, or socket path) conn was made for. */
@@ -821,7 +830,10 @@ rl_encode(StringInfo buf, int argc, const char **argv, const size_t *argvlen)
 	}
 }
 
-/* Sends the command in out and reads its reply; the connection must be open. */
+/*
+ * Sends the command in out and reads its reply; the connection must be
+ * open. For the set-up's commands (AUTH, SELECT, ROLE).
+ */
 static redisReply *
 rl_roundtrip(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 {
@@ -831,7 +843,6 @@ rl_roundtrip(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	conn->ready = false;			/* a reply may be in flight from here on */
 	if (!rl_write(conn, out.data, out.len, &done, deadline, false, failure))
 		return NULL;
-	conn->last_command_sent = true;
 	reply = rl_recv(conn, deadline, false, failure);
 	if (reply != NULL)
 		conn->ready = true;
@@ -1797,23 +1808,28 @@ rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
 }
 
 /*
- * Sends one command and returns its reply, which the caller must free with
- * freeReplyObject. Opens the connection when needed, and first sends what
- * a transaction end left queued and reads what it left unread; the
- * connection may take connect_timeout and the rest command_timeout, or,
- * with limit_ms >= 0, each at most limit_ms. On failure returns NULL with
- * failure filled in; the connection is then already discarded. While the
- * circuit breaker is open, fails at once without touching the network. An
- * interrupt (cancel, statement_timeout) raises its error from inside.
+ * Sends n commands on conn in one write; their replies, which the caller
+ * must read with rl_pipeline_recv (all n, or the connection is dropped
+ * before its next use), come in order. Opens the connection when needed,
+ * and first sends what a transaction end left queued and reads what it
+ * left unread; the connection may take connect_timeout and the commands
+ * command_timeout, or, with limit_ms >= 0, each at most limit_ms. False on
+ * failure, with failure filled in and the connection already discarded;
+ * rl_command_was_sent then says whether any command may have reached
+ * Redis. While the circuit breaker is open, fails at once without touching
+ * the network. An interrupt (cancel, statement_timeout) raises its error
+ * from inside.
  */
-redisReply *
-rl_command_within(RlConn *conn, int argc, const char **argv,
-				  const size_t *argvlen, int limit_ms, RlFailure *failure)
+bool
+rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
+				 RlFailure *failure)
 {
-	redisReply *reply = NULL;
 	TimestampTz deadline;
 	int			connect_ms = rl_connect_timeout;
 	int			command_ms = rl_command_timeout;
+	size_t		done = 0;
+	bool		ok;
+	int			i;
 
 	/* the connections are in use again */
 	if (idle_timeout_id != MAX_TIMEOUTS && get_timeout_active(idle_timeout_id))
@@ -1830,6 +1846,7 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 	}
 
 	conn->last_command_sent = false;
+	conn->replies_due = 0;
 	if (out.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -1845,7 +1862,7 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 			conn->ready = false;
 	}
 	else if (rl_breaker_open(&conn->breaker, failure))
-		return NULL;
+		return false;
 
 	/* unread replies make the liveness peek useless; reading them checks */
 	rl_queue_account(conn);
@@ -1860,15 +1877,15 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 		if (!connected)
 		{
 			rl_breaker_failed(&conn->breaker, failure);
-			return NULL;
+			return false;
 		}
 	}
 
 	/*
-	 * First the work queued by transaction ends, then the command. Redis may
-	 * still be busy with that work when the deadline comes: the call fails
-	 * then, but the connection is kept, and the next call goes on with it
-	 * (never losing or repeating it).
+	 * First the work queued by transaction ends, then the commands. Redis
+	 * may still be busy with that work when the deadline comes: the call
+	 * fails then, but the connection is kept, and the next call goes on with
+	 * it (never losing or repeating it).
 	 */
 	deadline = rl_deadline(command_ms);
 	if (!rl_send_queue(conn, deadline, failure) ||
@@ -1881,24 +1898,73 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 					 "timed out: Redis at %s is still busy with rate-limit work of earlier transaction ends",
 					 conn->address);
 		}
-	}
-	else
-	{
-		resetStringInfo(&out);
-		rl_encode(&out, argc, argv, argvlen);
-		reply = rl_roundtrip(conn, deadline, failure);
-		if (out.maxlen > RL_KEEP_BUFFER)
-		{
-			/* a huge command does not keep its buffer for the backend's life */
-			pfree(out.data);
-			out.data = MemoryContextAlloc(TopMemoryContext, 1024);
-			out.maxlen = 1024;
-			resetStringInfo(&out);
-		}
-	}
-	if (reply == NULL)
 		rl_breaker_failed(&conn->breaker, failure);
-	else
+		return false;
+	}
+
+	resetStringInfo(&out);
+	for (i = 0; i < n; i++)
+		rl_encode(&out, cmds[i].argc, cmds[i].argv, cmds[i].argvlen);
+	conn->ready = false;		/* replies may be in flight from here on */
+	ok = rl_write(conn, out.data, out.len, &done, deadline, false, failure);
+	/* Redis runs only whole commands: the first is whole once all of it went */
+	conn->last_command_sent = ok || (n > 1 && done > 0);
+	if (out.maxlen > RL_KEEP_BUFFER)
+	{
+		/* a huge command does not keep its buffer for the backend's life */
+		pfree(out.data);
+		out.data = MemoryContextAlloc(TopMemoryContext, 1024);
+		out.maxlen = 1024;
+		resetStringInfo(&out);
+	}
+	if (!ok)
+	{
+		rl_breaker_failed(&conn->breaker, failure);
+		return false;
+	}
+	conn->replies_due = n;
+	conn->replies_deadline = deadline;
+	return true;
+}
+
+/*
+ * Reads the next reply of the commands rl_pipeline_send wrote on conn; the
+ * caller frees it with freeReplyObject. NULL on failure, with failure
+ * filled in and the connection discarded (the replies still due are lost).
+ */
+redisReply *
+rl_pipeline_recv(RlConn *conn, RlFailure *failure)
+{
+	redisReply *reply;
+
+	Assert(conn->replies_due > 0);
+	reply = rl_recv(conn, conn->replies_deadline, false, failure);
+	if (reply == NULL)
+	{
+		conn->replies_due = 0;
+		rl_breaker_failed(&conn->breaker, failure);
+		return NULL;
+	}
+	if (--conn->replies_due == 0)
+	{
+		conn->ready = true;
 		rl_breaker_succeeded(&conn->breaker, conn->address);
+	}
 	return reply;
+}
+
+/*
+ * Sends one command and returns its reply, which the caller must free with
+ * freeReplyObject; as rl_pipeline_send and rl_pipeline_recv, for one.
+ * NULL on failure, with failure filled in and the connection discarded.
+ */
+redisReply *
+rl_command_within(RlConn *conn, int argc, const char **argv,
+				  const size_t *argvlen, int limit_ms, RlFailure *failure)
+{
+	RlCommand	cmd = {argc, argv, argvlen};
+
+	if (!rl_pipeline_send(conn, 1, &cmd, limit_ms, failure))
+		return NULL;
+	return rl_pipeline_recv(conn, failure);
 }

@@ -1,0 +1,28 @@
+-- Main part of the batch script: one limit decided for many keys, each on
+-- its own (a denial of one key does not stop the others), all on one clock.
+-- KEYS[i]  the key of identity i (several may be the same key: they are
+--          decided one after another, in order)
+-- ARGV     algorithm, lim, window_ms, burst (0: none), cost (>= 0),
+--          now_us ('' for Redis TIME), refund scopes ('' for none)
+-- Returns, for each key in order, the seven numbers of run_one.lua:
+-- allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us, epoch.
+local p = {lim = tonumber(ARGV[2]), window_ms = tonumber(ARGV[3]),
+           burst = tonumber(ARGV[4])}
+p.cap = p.burst > 0 and p.burst or p.lim
+local alg = ALG[ARGV[1]]
+local cost = tonumber(ARGV[5])
+local now = clock_us(ARGV[6])
+local scopes = split(ARGV[7])
+local reply = {}
+for i = 1, #KEYS do
+  local result, commit = alg.decide(KEYS[i], p, cost, now, scopes)
+  if result[1] == 1 and commit then
+    commit()
+  end
+  from_clock(result, now)
+  local b = (i - 1) * 7
+  for j = 1, 7 do
+    reply[b + j] = result[j]
+  end
+end
+return reply

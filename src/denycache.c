@@ -1,0 +1,271 @@
+/*
+ * denycache.c
+ *	  The local cache of denials (rl_redis.deny_cache).
+ *
+ * A call that Redis denied is remembered in this backend, by the hash of
+ * its key and limit, until its retry_after_ms has passed (counted from
+ * when the call was sent, so never beyond the moment Redis named). Until
+ * then a call on the same key and limit that asks for at least as many
+ * units is denied here, without Redis: it would be denied there too, unless
+ * units came back meanwhile. Only a false denial is possible, never a false
+ * admit.
+ *
+ * Units come back by a refund or a reset. Those made through the extension
+ * on this server (rl_refund, rl_<algorithm>_refund, a refund on abort,
+ * rl_reset) bump a counter in shared memory, and every backend drops its
+ * entries when it sees the counter moved. Those made on another server are
+ * not seen: a caller may then be denied until the cached retry time. The
+ * cache needs the counter, so it works only when the library is preloaded
+ * (shared_preload_libraries); without, the setting is ignored with a
+ * warning.
+ *
+ * Memory: at most RL_DENY_CACHE_MAX entries of fixed size per backend;
+ * when full, expired entries are dropped, and if none is, all of them.
+ */
+#include "postgres.h"
+
+#include "common/hashfn.h"
+#include "miscadmin.h"
+#include "port/atomics.h"
+#include "storage/ipc.h"
+#include "storage/lwlock.h"
+#include "storage/shmem.h"
+#include "utils/hsearch.h"
+#include "utils/timestamp.h"
+
+#include "rl_redis.h"
+
+/* the most denials one backend remembers */
+#define RL_DENY_CACHE_MAX 10000
+
+/* One remembered denial. */
+typedef struct RlDenial
+{
+	uint64		hash;			/* hash key: of the Redis key and the limit */
+	int64		until_ms;		/* on rl_deny_cache_now's clock */
+	int64		reset_at_ms;	/* when the key's state resets, or 0 */
+	int32		cost;			/* the units the denied call asked for */
+	int32		lim;
+	int32		remaining;
+} RlDenial;
+
+/* the counter of refunds and resets on this server, in shared memory */
+static pg_atomic_uint64 *refunds = NULL;
+
+/* this backend's denials, and the counter they were made under */
+static HTAB *denials = NULL;
+static uint64 denials_refunds = 0;
+
+/* whether the warning that the cache is off was given */
+static bool unusable_warned = false;
+
+static shmem_request_hook_type prev_shmem_request_hook = NULL;
+static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+
+/* Asks the postmaster for the counter's shared memory. */
+static void
+rl_deny_cache_shmem_request(void)
+{
+	if (prev_shmem_request_hook)
+		prev_shmem_request_hook();
+	RequestAddinShmemSpace(MAXALIGN(sizeof(pg_atomic_uint64)));
+}
+
+/* Makes (or attaches to) the shared counter. */
+static void
+rl_deny_cache_shmem_startup(void)
+{
+	bool		found;
+
+	if (prev_shmem_startup_hook)
+		prev_shmem_startup_hook();
+	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
+	refunds = ShmemInitStruct("rl_redis deny cache", sizeof(pg_atomic_uint64),
+							  &found);
+	if (!found)
+		pg_atomic_init_u64(refunds, 0);
+	LWLockRelease(AddinShmemInitLock);
+}
+
+/* Installs the shared-memory hooks when the library is being preloaded. */
+void
+rl_deny_cache_init(void)
+{
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+	prev_shmem_request_hook = shmem_request_hook;
+	shmem_request_hook = rl_deny_cache_shmem_request;
+	prev_shmem_startup_hook = shmem_startup_hook;
+	shmem_startup_hook = rl_deny_cache_shmem_startup;
+}
+
+/* The cache's clock in ms: the test clock when set, else this server's. */
+int64
+rl_deny_cache_now(void)
+{
+	if (rl_test_clock_ms > 0)
+		return (int64) rl_test_clock_ms;
+	return GetCurrentTimestamp() / 1000;
+}
+
+/*
+ * True when the cache may be used now: the setting is on and the counter
+ * exists (else a warning, once per backend).
+ */
+static bool
+rl_deny_cache_usable(void)
+{
+	if (!rl_deny_cache)
+		return false;
+	if (refunds == NULL)
+	{
+		if (!unusable_warned)
+			ereport(WARNING,
+					(errmsg("rl_redis.deny_cache is ignored: rl_redis is not in shared_preload_libraries"),
+					 errdetail("The cache must learn of refunds and resets made by other sessions of this server through shared memory.")));
+		unusable_warned = true;
+		return false;
+	}
+	return true;
+}
+
+/* The hash of a key and its limit: what an entry is found by. */
+static uint64
+rl_denial_hash(const char *key, size_t len, const RlLimit *limit)
+{
+	uint64		h = hash_bytes_extended((const unsigned char *) key, len, 0);
+	char		sig[64];
+
+	snprintf(sig, sizeof(sig), "%s/%d/" INT64_FORMAT "/%d",
+			 limit->algorithm->name, limit->lim, limit->window_ms, limit->burst);
+	return hash_combine64(h, hash_bytes_extended((const unsigned char *) sig,
+												 strlen(sig), 0));
+}
+
+/* Makes the table empty (and creates it). */
+static void
+rl_denials_clear(void)
+{
+	HASHCTL		info;
+
+	if (denials != NULL)
+		hash_destroy(denials);
+	info.keysize = sizeof(uint64);
+	info.entrysize = sizeof(RlDenial);
+	info.hcxt = TopMemoryContext;
+	denials = hash_create("rl_redis denials", 256, &info,
+						  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+}
+
+/*
+ * The table, empty when units came back on this server since its entries
+ * were made; NULL when the cache is not in use.
+ */
+static HTAB *
+rl_denials(void)
+{
+	uint64		now_refunds;
+
+	if (!rl_deny_cache_usable())
+		return NULL;
+	now_refunds = pg_atomic_read_u64(refunds);
+	if (denials == NULL || now_refunds != denials_refunds)
+	{
+		rl_denials_clear();
+		denials_refunds = now_refunds;
+	}
+	return denials;
+}
+
+/*
+ * When a call on key under limit asking for cost units (> 0) would be
+ * denied because a denial is remembered: fills d with that denial, its
+ * times counted down to now, and returns true.
+ */
+bool
+rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
+					 int32 cost, RlDecision *d)
+{
+	HTAB	   *table = rl_denials();
+	uint64		hash;
+	RlDenial   *e;
+	int64		now;
+
+	if (table == NULL || cost <= 0)
+		return false;
+	hash = rl_denial_hash(key, len, limit);
+	e = hash_search(table, &hash, HASH_FIND, NULL);
+	if (e == NULL)
+		return false;
+	now = rl_deny_cache_now();
+	if (now >= e->until_ms)
+	{
+		(void) hash_search(table, &hash, HASH_REMOVE, NULL);
+		return false;
+	}
+	if (cost < e->cost)
+		return false;
+	d->allowed = false;
+	d->from_redis = true;
+	d->from_cache = true;
+	d->lim = e->lim;
+	d->remaining = e->remaining;
+	d->reset_ms = e->reset_at_ms > 0 ? Max(e->reset_at_ms - now, 1) : 0;
+	d->retry_after_ms = e->until_ms - now;
+	d->stamp_us = 0;
+	d->epoch = 0;
+	return true;
+}
+
+/*
+ * Remembers the denial d of a call on key under limit asking for cost units,
+ * sent at sent_ms (rl_deny_cache_now); a wait of -1 (never: more than the
+ * limit holds) or 0 is not remembered.
+ */
+void
+rl_deny_cache_store(const char *key, size_t len, const RlLimit *limit,
+					int32 cost, const RlDecision *d, int64 sent_ms)
+{
+	HTAB	   *table = rl_denials();
+	uint64		hash;
+	RlDenial   *e;
+	bool		found;
+
+	if (table == NULL || cost <= 0 || d->allowed || !d->from_redis ||
+		d->retry_after_ms <= 0)
+		return;
+	if (hash_get_num_entries(table) >= RL_DENY_CACHE_MAX)
+	{
+		HASH_SEQ_STATUS status;
+		RlDenial   *old;
+		int64		now = rl_deny_cache_now();
+
+		hash_seq_init(&status, table);
+		while ((old = hash_seq_search(&status)) != NULL)
+			if (now >= old->until_ms)
+				(void) hash_search(table, &old->hash, HASH_REMOVE, NULL);
+		if (hash_get_num_entries(table) >= RL_DENY_CACHE_MAX)
+			rl_denials_clear();
+		table = denials;
+	}
+	hash = rl_denial_hash(key, len, limit);
+	e = hash_search(table, &hash, HASH_ENTER, &found);
+	e->until_ms = sent_ms + d->retry_after_ms;
+	e->reset_at_ms = d->reset_ms > 0 ? sent_ms + d->reset_ms : 0;
+	e->cost = cost;
+	e->lim = d->lim;
+	e->remaining = d->remaining;
+}
+
+/*
+ * Units came back, or keys were reset, through this server: every
+ * backend's denials are forgotten. Only an atomic add: safe in a
+ * transaction callback.
+ */
+void
+rl_deny_cache_forget(void)
+{
+	/* each backend, this one too, empties its table at its next lookup */
+	if (refunds != NULL)
+		pg_atomic_fetch_add_u64(refunds, 1);
+}
