@@ -5,7 +5,11 @@
 -- ARGV     algorithm, lim, window_ms, burst (0: none), cost (>= 0),
 --          now_us ('' for Redis TIME), refund scopes ('' for none)
 -- Returns, for each key in order, the seven numbers of run_one.lua:
--- allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us, epoch.
+-- allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us, epoch; for
+-- a key that cannot be decided (it holds a value of another type), its
+-- error message and six zeros, and nothing is written to it: a decision
+-- fails before its first write or not at all (see common.lua), so the
+-- other keys' decisions stand.
 local p = {lim = tonumber(ARGV[2]), window_ms = tonumber(ARGV[3]),
            burst = tonumber(ARGV[4])}
 p.cap = p.burst > 0 and p.burst or p.lim
@@ -15,14 +19,22 @@ local now = clock_us(ARGV[6])
 local scopes = split(ARGV[7])
 local reply = {}
 for i = 1, #KEYS do
-  local result, commit = alg.decide(KEYS[i], p, cost, now, scopes)
-  if result[1] == 1 and commit then
-    commit()
-  end
-  from_clock(result, now)
   local b = (i - 1) * 7
-  for j = 1, 7 do
-    reply[b + j] = result[j]
+  local ok, result, commit = pcall(alg.decide, KEYS[i], p, cost, now, scopes)
+  if ok then
+    if result[1] == 1 and commit then
+      commit()
+    end
+    from_clock(result, now)
+    for j = 1, 7 do
+      reply[b + j] = result[j]
+    end
+  else
+    if type(result) == 'table' then result = result.err end
+    reply[b + 1] = tostring(result)
+    for j = 2, 7 do
+      reply[b + j] = 0
+    end
   end
 end
 return reply

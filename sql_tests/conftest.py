@@ -52,6 +52,16 @@ def pg_connect(**kwargs):
     return psycopg.connect(**kwargs)
 
 
+def control_version():
+    """The extension's default_version, as rl_redis.control says."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rl_redis.control")
+    with open(path) as f:
+        for line in f:
+            if line.startswith("default_version"):
+                return line.split("'")[1]
+    raise AssertionError("rl_redis.control has no default_version")
+
+
 def new_ident(tag="t"):
     """An identity nobody else uses (curly braces are left out on purpose:
     the extension wraps the identity in {} itself)."""

@@ -28,7 +28,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import free_port, new_ident, pg_connect, same_fixed_window, set_gucs, use_redis
+from conftest import control_version, free_port, new_ident, pg_connect, same_fixed_window, set_gucs, use_redis
 from test_faults import collect_notices, in_sync_call, wait_until_active
 
 LEASE_MS = 600000  # long enough that no test can pass by a lease ending
@@ -377,14 +377,14 @@ def test_privileges_fresh_install_equal_upgrade(pg):
             conn.execute("CREATE EXTENSION rl_redis")
             assert conn.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
-            ).fetchone()[0] == "1.4"
+            ).fetchone()[0] == control_version()
             fresh = _privileges(conn)
             conn.execute("DROP EXTENSION rl_redis")
             conn.execute("CREATE EXTENSION rl_redis VERSION '1.2'")
             conn.execute("ALTER EXTENSION rl_redis UPDATE")
             assert conn.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
-            ).fetchone()[0] == "1.4"
+            ).fetchone()[0] == control_version()
             upgraded = _privileges(conn)
         _check_trust_lists(*fresh, how="fresh install")
         _check_trust_lists(*upgraded, how="upgrade from 1.2")

@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 import pytest
 
-from conftest import free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import control_version, free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
 from test_lying_redis import LyingRedis
 
 PGBIN = subprocess.run(
@@ -165,7 +165,7 @@ def roles(pg):
 def test_version_and_objects(pg):
     assert pg.execute(
         "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
-    ).fetchone()[0] == "1.4"
+    ).fetchone()[0] == control_version()
     assert pg.execute("SHOW rl_redis.stats").fetchone()[0] == "on"
     cols = [c.name for c in pg.execute("SELECT * FROM rl_redis_stats LIMIT 0").description]
     assert cols == [
@@ -828,7 +828,7 @@ def test_without_preloading_scope_backend(unpreloaded_cluster):
         su.execute("ALTER EXTENSION rl_redis UPDATE")
         assert su.execute(
             "SELECT extversion FROM pg_extension WHERE extname = 'rl_redis'"
-        ).fetchone()[0] == "1.4"
+        ).fetchone()[0] == control_version()
         assert su.execute("SHOW shared_preload_libraries").fetchone()[0] == ""
         policy = "pytest.st.%s" % uuid.uuid4().hex[:16]
         su.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, 'fixed', 3, %s)",

@@ -758,13 +758,16 @@ rl_batch_key_cmp(const void *a, const void *b)
 }
 
 /*
- * Turns the reply of a batch script call of n keys into d[index[0..n-1]]
- * and frees it; false, with failure filled in, when it is an error or not
- * the 7 * n integers run_many.lua returns.
+ * Turns the reply of a batch script call of n keys into d[keys[j].index]
+ * and frees it. A key Redis could not decide (its value is of another
+ * type: run_many.lua returns the error in place of its numbers) gets
+ * bad[keys[j].index] set and, the first such, its error in *failure. False,
+ * with failure filled in, when the reply is an error or not what
+ * run_many.lua returns: then no key was decided.
  */
 static bool
 rl_parse_batch(RlConn *conn, redisReply *reply, RlBatchKey *keys, int n,
-			   RlDecision *d, RlFailure *failure)
+			   RlDecision *d, bool *bad, RlFailure *failure)
 {
 	size_t		i;
 	int			j;
@@ -777,14 +780,16 @@ rl_parse_batch(RlConn *conn, redisReply *reply, RlBatchKey *keys, int n,
 	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != (size_t) n * 7)
 		goto bad;
 	for (i = 0; i < reply->elements; i++)
-		if (reply->element[i]->type != REDIS_REPLY_INTEGER)
+		if (reply->element[i]->type != REDIS_REPLY_INTEGER &&
+			(i % 7 != 0 || reply->element[i]->type != REDIS_REPLY_STRING))
 			goto bad;
 	for (j = 0; j < n; j++)
 	{
 		redisReply **e = reply->element + j * 7;
 
-		if (e[1]->integer <= 0 || e[1]->integer > PG_INT32_MAX ||
-			e[2]->integer < 0 || e[2]->integer > PG_INT32_MAX)
+		if (e[0]->type == REDIS_REPLY_INTEGER &&
+			(e[1]->integer <= 0 || e[1]->integer > PG_INT32_MAX ||
+			 e[2]->integer < 0 || e[2]->integer > PG_INT32_MAX))
 			goto bad;
 	}
 	for (j = 0; j < n; j++)
@@ -792,6 +797,21 @@ rl_parse_batch(RlConn *conn, redisReply *reply, RlBatchKey *keys, int n,
 		redisReply **e = reply->element + j * 7;
 		RlDecision *r = &d[keys[j].index];
 
+		if (e[0]->type == REDIS_REPLY_STRING)
+		{
+			if (failure->sqlerrcode == 0)
+			{
+				failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
+				failure->first_in_outage = true;
+				failure->breaker_opened = false;
+				snprintf(failure->message, sizeof(failure->message),
+						 "Redis at %s could not decide on key \"%.*s\": %.*s",
+						 rl_conn_name(conn), Min(keys[j].key->len, 200),
+						 keys[j].key->data, Min((int) e[0]->len, 200), e[0]->str);
+			}
+			bad[keys[j].index] = true;
+			continue;
+		}
 		r->allowed = e[0]->integer != 0;
 		r->from_redis = true;
 		r->from_cache = false;
@@ -818,19 +838,19 @@ bad:
 
 /*
  * Takes in the replies of a batch's calls (rl_decide_batch): fills the
- * decisions of the keys of each call that got one, counts them, remembers
- * allowed charges for a refund on abort and puts the denied ones of
- * identities in denied[] (when not NULL; returns how many); frees the
- * replies. With
+ * decisions of the keys that got one, counts them, remembers allowed
+ * charges for a refund on abort and puts the denied ones of identities in
+ * denied[] (when not NULL; returns how many); frees the replies. With
  * failures NULL (an interrupt ended the calls), the calls with no reply are
- * passed over; else failures[c] is the failure of call c (sqlerrcode 0:
- * none). Raises only when out of memory.
+ * passed over; else bad[i] is set for each key Redis gave no decision and
+ * failures[c] is the failure of call c (sqlerrcode 0: none). Raises only
+ * when out of memory.
  */
 static int
 rl_batch_results(const RlLimit *limit, RlBatchKey *keys, RlCall *calls,
 				 int *first, int *size, int ncalls, int32 cost, int64 rtt,
-				 RlDecision *d, RlFailure *failures, text **identities,
-				 text **denied)
+				 RlDecision *d, bool *bad, RlFailure *failures,
+				 text **identities, text **denied)
 {
 	int			ndenied = 0;
 	int			c;
@@ -843,24 +863,24 @@ rl_batch_results(const RlLimit *limit, RlBatchKey *keys, RlCall *calls,
 
 		if (failures == NULL && calls[c].reply == NULL)
 			continue;
+		if (calls[c].reply != NULL)
+			failure.sqlerrcode = 0;
 		ok = calls[c].reply != NULL &&
 			rl_parse_batch(calls[c].conn, calls[c].reply, keys + first[c],
-						   size[c], d, &failure);
+						   size[c], d, bad, &failure);
 		calls[c].reply = NULL;
+		if (!ok && failure.sqlerrcode == 0)
+			failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
 		if (failures != NULL)
-		{
 			failures[c] = failure;
-			if (ok)
-				failures[c].sqlerrcode = 0;
-			else if (failures[c].sqlerrcode == 0)
-				failures[c].sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-		}
-		if (!ok)
-			continue;
 		for (j = first[c]; j < first[c] + size[c]; j++)
 		{
 			RlDecision *r = &d[keys[j].index];
 
+			if (!ok)
+				bad[keys[j].index] = true;
+			if (bad[keys[j].index])
+				continue;
 			rl_stats_decided(keys[j].key->data, keys[j].key->len, r, cost, rtt);
 			if (r->allowed && cost > 0)
 				rl_remember_charge(limit, keys[j].key, cost, r->stamp_us,
@@ -905,6 +925,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 	StringInfoData all;
 	TimestampTz start;
 	text	  **denied = palloc(sizeof(text *) * Max(n, 1));
+	bool	   *bad = palloc0(sizeof(bool) * Max(n, 1));
 	int			ndenied;
 	int			i,
 				j,
@@ -1002,31 +1023,43 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		/* what came in is taken in (charges remembered) before the error goes on */
 		MemoryContextSwitchTo(cxt);
 		(void) rl_batch_results(limit, keys, calls, first, size, ncalls, cost,
-								0, d, NULL, identities, NULL);
+								0, d, bad, NULL, identities, NULL);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
 	failures = palloc0(sizeof(RlFailure) * Max(ncalls, 1));
 	ndenied = rl_batch_results(limit, keys, calls, first, size, ncalls, cost,
 							   rl_stats ? GetCurrentTimestamp() - start : 0,
-							   d, failures, identities, denied);
+							   d, bad, failures, identities, denied);
 	if (ndenied > 0 && policy != NULL && rl_track_denials)
 		rl_note_denials(policy, denied, ndenied);
+
+	/*
+	 * The keys Redis gave no decision get on_error. A failure is counted
+	 * (and warned of) once: rl_call_many gives the failure of a connection
+	 * to the first of its calls, and copies without those flags to the
+	 * others.
+	 */
 	for (c = 0; c < ncalls; c++)
 	{
+		bool		first_key = true;
+
 		if (failures[c].sqlerrcode == 0)
 			continue;
 		for (j = first[c]; j < first[c] + size[c]; j++)
 		{
+			if (!bad[keys[j].index])
+				continue;
 			rl_stats_failed(keys[j].key->data, keys[j].key->len, &failures[c],
-							j == first[c]);
+							first_key);
 			rl_apply_on_error(&failures[c],
 							  limit->burst > 0 ? limit->burst : limit->lim,
 							  cost, &d[keys[j].index]);
 			rl_stats_decided(keys[j].key->data, keys[j].key->len,
 							 &d[keys[j].index], cost, 0);
-			/* one warning per failed call */
+			/* one warning per failure */
 			failures[c].first_in_outage = false;
+			first_key = false;
 		}
 	}
 }

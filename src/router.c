@@ -999,6 +999,9 @@ rl_call_many(RlCall *calls, int n)
 			again[members[i]] = !rl_command_was_sent(conns[c]) &&
 				rl_mode != RL_MODE_STANDALONE;
 			group[members[i]] = -1;
+			/* one failure: warned of and counted once */
+			failure.first_in_outage = false;
+			failure.breaker_opened = false;
 		}
 	}
 
@@ -1021,6 +1024,9 @@ rl_call_many(RlCall *calls, int n)
 					rl_route_failed(conns[c]);
 				lost = true;
 				calls[i].failure = failure;
+				/* one failure: warned of and counted once */
+				failure.first_in_outage = false;
+				failure.breaker_opened = false;
 				continue;
 			}
 			if (rl_reply_not_run(calls[i].reply))

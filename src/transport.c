@@ -109,7 +109,8 @@ struct RlConn
 	bool		last_command_sent;	/* the last command was written whole
 									 * (it may have run) */
 	int			replies_due;	/* of the commands rl_pipeline_send wrote */
-	TimestampTz replies_deadline;	/* when they are due at the latest */
+	TimestampTz replies_deadline;	/* when the next is due at the latest */
+	int			replies_timeout_ms; /* of a pipeline: the wait for each */
 	RlBreaker	breaker;
 	StringInfoData settings;	/* the connection settings it was made with */
 
@@ -1812,8 +1813,10 @@ rl_command(RlConn *conn, int argc, const char **argv, const size_t *argvlen,
  * must read with rl_pipeline_recv (all n, or the connection is dropped
  * before its next use), come in order. Opens the connection when needed,
  * and first sends what a transaction end left queued and reads what it
- * left unread; the connection may take connect_timeout and the commands
- * command_timeout, or, with limit_ms >= 0, each at most limit_ms. False on
+ * left unread; the connection may take connect_timeout and one command
+ * command_timeout, or, with limit_ms >= 0, each at most limit_ms. Of
+ * several commands, each wait (for Redis to take more of them, or for the
+ * next reply) may take command_timeout. False on
  * failure, with failure filled in and the connection already discarded;
  * rl_command_was_sent then says whether any command may have reached
  * Redis. While the circuit breaker is open, fails at once without touching
@@ -1906,7 +1909,27 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 	for (i = 0; i < n; i++)
 		rl_encode(&out, cmds[i].argc, cmds[i].argv, cmds[i].argvlen);
 	conn->ready = false;		/* replies may be in flight from here on */
-	ok = rl_write(conn, out.data, out.len, &done, deadline, false, failure);
+	if (n == 1)
+		ok = rl_write(conn, out.data, out.len, &done, deadline, false, failure);
+	else
+	{
+		/*
+		 * A pipeline goes out as fast as Redis runs it: command_timeout
+		 * bounds each wait for Redis to take more of it, not the whole.
+		 */
+		size_t		part;
+
+		do
+		{
+			ok = rl_write(conn, out.data + done, out.len - done, &part,
+						  deadline, true, failure);
+			done += part;
+			deadline = rl_deadline(command_ms);
+		} while (!ok && failure->sqlerrcode == 0 && part > 0);
+		if (!ok && failure->sqlerrcode == 0)
+			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+					"timed out sending to Redis at %s", conn->address);
+	}
 	/* Redis runs only whole commands: the first is whole once all of it went */
 	conn->last_command_sent = ok || (n > 1 && done > 0);
 	if (out.maxlen > RL_KEEP_BUFFER)
@@ -1924,6 +1947,7 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 	}
 	conn->replies_due = n;
 	conn->replies_deadline = deadline;
+	conn->replies_timeout_ms = n > 1 ? command_ms : 0;
 	return true;
 }
 
@@ -1950,6 +1974,8 @@ rl_pipeline_recv(RlConn *conn, RlFailure *failure)
 		conn->ready = true;
 		rl_breaker_succeeded(&conn->breaker, conn->address);
 	}
+	else if (conn->replies_timeout_ms > 0)
+		conn->replies_deadline = rl_deadline(conn->replies_timeout_ms);
 	return reply;
 }
 
