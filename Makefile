@@ -62,3 +62,4 @@ bench:
 	bash sql_tests/bench_breaker.sh
 	bash sql_tests/bench_refund_memory.sh
 	bash sql_tests/bench_http.sh
+	bash sql_tests/bench_batch.sh
