@@ -9,6 +9,7 @@ OBJS = \
 	src/denycache.o \
 	src/transport.o \
 	src/breaker.o \
+	src/shared_queue.o \
 	src/tls.o \
 	src/scripts.o \
 	src/router.o \
@@ -18,7 +19,8 @@ OBJS = \
 	src/functions.o \
 	src/policy.o \
 	src/concurrency.o \
-	src/guard.o
+	src/guard.o \
+	src/worker.o
 
 DATA = $(wildcard sql/rl_redis--*.sql)
 PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"

@@ -48,6 +48,8 @@ int			rl_sliding_max_lim = 10000;
 bool		rl_tls = false;
 bool		rl_stats = true;
 bool		rl_deny_cache = false;
+int			rl_transport = RL_TRANSPORT_BACKEND;
+int			rl_shared_queue_size = 256;
 bool		rl_track_denials = false;
 char	   *rl_tls_ca_file = NULL;
 char	   *rl_tls_cert_file = NULL;
@@ -72,6 +74,12 @@ static const struct config_enum_entry mode_options[] = {
 	{"standalone", RL_MODE_STANDALONE, false},
 	{"cluster", RL_MODE_CLUSTER, false},
 	{"sentinel", RL_MODE_SENTINEL, false},
+	{NULL, 0, false}
+};
+
+static const struct config_enum_entry transport_options[] = {
+	{"backend", RL_TRANSPORT_BACKEND, false},
+	{"shared", RL_TRANSPORT_SHARED, false},
 	{NULL, 0, false}
 };
 
@@ -643,6 +651,27 @@ rl_define_gucs(void)
 							 PGC_SUSET,
 							 0,
 							 NULL, NULL, NULL);
+
+	DefineCustomEnumVariable("rl_redis.transport",
+							 "How a session's script calls reach Redis: on its own connection, or through the rl_redis worker's shared, pipelined connection.",
+							 "shared needs the library in shared_preload_libraries and rl_redis.mode standalone; otherwise, and when the shared queue is full or the worker is not running, a call uses the session's own connection.",
+							 &rl_transport,
+							 RL_TRANSPORT_BACKEND,
+							 transport_options,
+							 PGC_SUSET,
+							 0,
+							 NULL, NULL, NULL);
+
+	/* a server setting can only be made at start: the queue needs preloading */
+	if (process_shared_preload_libraries_in_progress)
+		DefineCustomIntVariable("rl_redis.shared_queue_size",
+								"The number of calls the shared queue of rl_redis.transport = shared holds at once.",
+								"Each slot takes about 10 kB of shared memory.",
+								&rl_shared_queue_size,
+								256, 16, 8192,
+								PGC_POSTMASTER,
+								0,
+								NULL, NULL, NULL);
 
 	DefineCustomBoolVariable("rl_redis.deny_cache",
 							 "Whether denials are remembered in the backend until their retry time, so that calls for a denied identity are denied without Redis.",

@@ -19,6 +19,8 @@ _PG_init(void)
 	rl_define_gucs();
 	rl_stats_init();
 	rl_deny_cache_init();
+	rl_shared_queue_init();
+	rl_worker_register();
 	rl_transport_init();
 	rl_policy_init();
 	rl_concurrency_init();

@@ -64,6 +64,13 @@ typedef enum RlMode
 	RL_MODE_SENTINEL
 } RlMode;
 
+/* rl_redis.transport */
+typedef enum RlTransport
+{
+	RL_TRANSPORT_BACKEND,
+	RL_TRANSPORT_SHARED
+} RlTransport;
+
 /* rl_redis.refund_on_abort */
 typedef enum RlRefundOnAbort
 {
@@ -125,6 +132,8 @@ extern bool rl_tls;
 extern bool rl_stats;
 extern bool rl_track_denials;
 extern bool rl_deny_cache;
+extern int	rl_transport;
+extern int	rl_shared_queue_size;
 extern char *rl_tls_ca_file;
 extern char *rl_tls_cert_file;
 extern char *rl_tls_key_file;
@@ -256,6 +265,25 @@ extern void rl_defer_command(RlConn *conn, int argc, const char **argv,
 extern uint64 rl_server_generation(void);
 extern uint64 rl_settings_version(void);
 extern bool rl_command_was_sent(RlConn *conn);
+extern uint64 rl_settings_hash(void);
+extern bool rl_conn_has_queued(RlConn *conn);
+
+/* Work of a transaction end a session hands to the worker. */
+typedef struct RlDeferred
+{
+	const char *host;			/* the server it is for */
+	int			port;
+	bool		idempotent;
+	size_t		script_len;		/* an EVAL: its script's length, else 0 */
+	uint64		script_hash;	/* and hash_bytes_extended of its text */
+	int			nargs;			/* an EVAL: the arguments after the script */
+	const char *encoded;		/* the command, or those arguments, encoded */
+	size_t		len;
+} RlDeferred;
+
+extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
+								 const char *body);
+extern void rl_close_idle(void);
 
 /* scripts and algorithms (scripts.c) */
 typedef struct RlScript
@@ -297,6 +325,8 @@ extern const RlScript rl_script_concurrency;
 extern const RlScript rl_script_denial_note;
 extern const RlScript rl_script_denial_top;
 extern const RlScript rl_script_check_many;
+extern const RlScript *rl_script_by_id(int id);
+extern const RlScript *rl_script_by_text(size_t len, uint64 hash);
 
 /* argv[0] and argv[1] are left for rl_run_script to fill in */
 #define RL_SCRIPT_ARGV_RESERVED 2
@@ -335,6 +365,24 @@ typedef struct RlCall
 } RlCall;
 
 extern void rl_call_many(RlCall *calls, int n);
+
+/* the shared queue of rl_redis.transport = shared (shared_queue.c) */
+extern void rl_shared_queue_init(void);
+extern redisReply *rl_shared_call(const RlScript *script, int argc,
+								  const char **argv, const size_t *argvlen,
+								  int keyarg, uint64 settings,
+								  RlFailure *failure, bool *used);
+extern bool rl_shared_defer(const RlDeferred *work, uint64 settings);
+extern uint64 rl_shared_worker_start(uint64 settings);
+extern void rl_shared_worker_settings(uint64 settings);
+extern void rl_shared_worker_stop(void);
+extern int	rl_shared_slots(void);
+extern int	rl_shared_take(int i, RlCall *call, RlDeferred *work);
+extern void rl_shared_complete(int i, const redisReply *reply,
+							   const RlFailure *failure);
+
+/* the rl_redis worker (worker.c) */
+extern void rl_worker_register(void);
 
 /* who is being throttled (denials.c) */
 extern void rl_note_denial(const char *policy, text *identity);

@@ -793,6 +793,28 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 	may_ask = true;
 	if (rl_mode == RL_MODE_CLUSTER)
 		rl_send_queued(NULL);
+
+	/*
+	 * rl_redis.transport = shared: through the worker, unless this
+	 * session's own connection has transaction-end work to send first.
+	 */
+	if (script != NULL && rl_transport == RL_TRANSPORT_SHARED &&
+		rl_mode == RL_MODE_STANDALONE)
+	{
+		RlConn	   *own = rl_conn_get();
+		bool		used = false;
+		redisReply *reply = NULL;
+
+		if (!rl_conn_has_queued(own))
+			reply = rl_shared_call(script, argc, argv, argvlen,
+								   RL_SCRIPT_ARGV_RESERVED + 1,
+								   rl_settings_hash(), failure, &used);
+		if (used)
+		{
+			*connp = own;
+			return reply;
+		}
+	}
 	for (;;)
 	{
 		RlConn	   *conn = ask ? ask : moved ? moved : rl_route(key, keylen, failure);

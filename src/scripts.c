@@ -11,6 +11,7 @@
  */
 #include "postgres.h"
 
+#include "common/hashfn.h"
 #include "utils/builtins.h"
 
 #include "rl_redis.h"
@@ -32,6 +33,46 @@ const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_S
 const RlScript rl_script_denial_note = {RL_LUA_DENIAL_NOTE, RL_LUA_DENIAL_NOTE_SHA, RL_NUM_ALGORITHMS + 4};
 const RlScript rl_script_denial_top = {RL_LUA_DENIAL_TOP, RL_LUA_DENIAL_TOP_SHA, RL_NUM_ALGORITHMS + 5};
 const RlScript rl_script_check_many = {RL_LUA_CHECK_MANY, RL_LUA_CHECK_MANY_SHA, RL_NUM_ALGORITHMS + 6};
+
+/* The script of id (RlScript.id), or NULL. */
+const RlScript *
+rl_script_by_id(int id)
+{
+	static const RlScript *const shared[] = {
+		&rl_script_check_all, &rl_script_refund, &rl_script_forget,
+		&rl_script_concurrency, &rl_script_denial_note, &rl_script_denial_top,
+		&rl_script_check_many
+	};
+
+	StaticAssertStmt(lengthof(shared) == RL_NUM_SCRIPTS - RL_NUM_ALGORITHMS,
+					 "every shared script is listed");
+	if (id >= 0 && id < RL_NUM_ALGORITHMS)
+		return &rl_algorithms[id].script;
+	if (id >= RL_NUM_ALGORITHMS && id < RL_NUM_SCRIPTS)
+		return shared[id - RL_NUM_ALGORITHMS];
+	return NULL;
+}
+
+/*
+ * The script whose text is len bytes with that hash_bytes_extended (seed
+ * 0), or NULL: how the worker finds the script of an EVAL a session handed
+ * over.
+ */
+const RlScript *
+rl_script_by_text(size_t len, uint64 hash)
+{
+	int			id;
+
+	for (id = 0; id < RL_NUM_SCRIPTS; id++)
+	{
+		const RlScript *script = rl_script_by_id(id);
+
+		if (strlen(script->body) == len &&
+			hash_bytes_extended((const unsigned char *) script->body, len, 0) == hash)
+			return script;
+	}
+	return NULL;
+}
 
 StaticAssertDecl(RL_NUM_SCRIPTS <= 32, "a connection keeps its loaded scripts in 32 bits");
 

@@ -51,6 +51,7 @@
 #include <arpa/inet.h>
 
 #include "access/xact.h"
+#include "common/hashfn.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "pgstat.h"
@@ -200,6 +201,7 @@ static void rl_transport_exit(int code, Datum arg);
 static void rl_idle_timeout_handler(void);
 static void rl_discard_queue(RlConn *conn, const char *why);
 static void rl_queue_unconfirmed(RlConn *conn);
+static void rl_queue_account(RlConn *conn);
 static void rl_queue_push(RlConn *conn, int argc, const char **argv,
 						  const size_t *argvlen, const char *encoded,
 						  size_t len, bool idempotent, uint8 tries);
@@ -1033,6 +1035,56 @@ rl_settings_changed(RlConn *conn)
 }
 
 /*
+ * A hash of the connection settings of a standalone server (and the mode):
+ * two processes with the same hash talk to the same server the same way,
+ * so one may send the other's calls (rl_redis.transport = shared).
+ */
+uint64
+rl_settings_hash(void)
+{
+	static StringInfoData buf;
+	uint64		h;
+
+	if (buf.data == NULL)
+	{
+		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
+
+		initStringInfo(&buf);
+		MemoryContextSwitchTo(old);
+	}
+	rl_settings_signature(&buf, RL_CONN_SERVER);
+	appendStringInfo(&buf, "%c%d", 0, rl_mode);
+	h = hash_bytes_extended((const unsigned char *) buf.data, buf.len, 0);
+	resetStringInfo(&buf);
+	return h;
+}
+
+/* True when conn holds work of transaction ends not yet sent or confirmed. */
+bool
+rl_conn_has_queued(RlConn *conn)
+{
+	return conn->queue_count > 0;
+}
+
+/*
+ * Closes the connections that have nothing queued or on the way (the
+ * worker's idle timeout); their next call opens them again.
+ */
+void
+rl_close_idle(void)
+{
+	RlConn	   *conn;
+
+	for (conn = conn_list; conn != NULL; conn = conn->next)
+	{
+		rl_queue_account(conn);
+		if (conn->sock != PGINVALID_SOCKET && conn->ready &&
+			conn->queue_count == 0 && conn->pending_replies == 0)
+			rl_disconnect(conn);
+	}
+}
+
+/*
  * Set-up step 1: resolves conn's server, a Unix socket path into
  * *sun or a host name into conn->pending_addrs (freed by rl_open, or by the
  * next connect when a cancel cut the connect short).
@@ -1591,6 +1643,118 @@ rl_discard_queue(RlConn *conn, const char *why)
 }
 
 /*
+ * When the encoded command cmd (len bytes) is "EVAL <script> <args...>",
+ * sets *body and *bodylen to the script's text and *rest and *restlen to
+ * the encoded arguments after it, *nargs to their number, and returns
+ * true.
+ */
+static bool
+rl_split_eval(const char *cmd, size_t len, const char **body, size_t *bodylen,
+			  const char **rest, size_t *restlen, int *nargs)
+{
+	const char *p = cmd;
+	const char *end = cmd + len;
+	char	   *next;
+	long		n;
+	long		l;
+
+	if (len < 16 || *p != '*')
+		return false;
+	n = strtol(p + 1, &next, 10);
+	p = next;
+	if (n < 2 || end - p < 13 || memcmp(p, "\r\n$4\r\nEVAL\r\n$", 13) != 0)
+		return false;
+	l = strtol(p + 13, &next, 10);
+	p = next;
+	if (l < 0 || end - p < 2 + l + 2 || memcmp(p, "\r\n", 2) != 0 ||
+		memcmp(p + 2 + l, "\r\n", 2) != 0)
+		return false;
+	*body = p + 2;
+	*bodylen = (size_t) l;
+	*rest = p + 2 + l + 2;
+	*restlen = end - *rest;
+	*nargs = (int) n - 2;
+	return true;
+}
+
+/*
+ * With rl_redis.transport = shared and no connection of the session's own
+ * open: hands the queue's commands not on their way yet to the worker,
+ * which sends them on its connection (an EVAL as the hash of its script
+ * and its arguments: the script is too large for the queue, and the worker
+ * has it too). True when none is left. Never waits.
+ */
+static bool
+rl_conn_hand_to_worker(RlConn *conn)
+{
+	uint64		settings;
+
+	if (rl_transport != RL_TRANSPORT_SHARED || conn->kind != RL_CONN_SERVER ||
+		rl_mode != RL_MODE_STANDALONE)
+		return false;
+	rl_queue_account(conn);
+	rl_queue_trim(conn);
+	if (conn->pending_replies > 0 || conn->queue_partial > 0)
+		return false;
+	settings = rl_settings_hash();
+	while (conn->queue_count > 0)
+	{
+		size_t		off = rl_queue_offset(conn, 0);
+		const char *cmd = conn->queue.data + off;
+		size_t		len = conn->queue_ends[0] - off;
+		RlDeferred	work;
+		const char *body;
+		size_t		bodylen;
+
+		work.host = conn->host;
+		work.port = conn->port;
+		work.idempotent = conn->queue_idempotent[0];
+		work.encoded = cmd;
+		work.len = len;
+		work.script_len = 0;
+		work.script_hash = 0;
+		work.nargs = 0;
+		if (rl_split_eval(cmd, len, &body, &bodylen, &work.encoded, &work.len,
+						  &work.nargs))
+		{
+			work.script_len = bodylen;
+			work.script_hash = hash_bytes_extended((const unsigned char *) body,
+												   bodylen, 0);
+		}
+		if (!rl_shared_defer(&work, settings))
+			return false;
+		rl_queue_remove(conn, 0, 1);
+	}
+	return true;
+}
+
+/*
+ * Queues deferred work a session handed over (rl_conn_hand_to_worker) on
+ * conn, as rl_defer_command does: body is the text of its script when it
+ * was an EVAL (else NULL).
+ */
+void
+rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
+{
+	StringInfoData buf;
+
+	if (body == NULL)
+	{
+		rl_queue_push(conn, 0, NULL, NULL, work->encoded, work->len,
+					  work->idempotent, 0);
+		return;
+	}
+	initStringInfo(&buf);
+	appendStringInfo(&buf, "*%d\r\n$4\r\nEVAL\r\n$%zu\r\n", work->nargs + 2,
+					 work->script_len);
+	appendBinaryStringInfo(&buf, body, work->script_len);
+	appendBinaryStringInfo(&buf, "\r\n", 2);
+	appendBinaryStringInfo(&buf, work->encoded, work->len);
+	rl_queue_push(conn, 0, NULL, NULL, buf.data, buf.len, work->idempotent, 0);
+	pfree(buf.data);
+}
+
+/*
  * At the end of a (sub)transaction: writes the queue to an open connection
  * within RL_XACT_END_BUDGET_MS (less when command_timeout is smaller).
  * Interrupts are held here, so the budget is the only bound; nothing here
@@ -1609,6 +1773,9 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 	if (conn->ready && conn->pending_replies == 0 && conn->queue_partial == 0 &&
 		(conn->shut || !rl_connection_alive(conn)))
 		rl_disconnect(conn);
+	if ((!conn->ready || conn->sock == PGINVALID_SOCKET) &&
+		rl_conn_hand_to_worker(conn))
+		return;
 	if (!conn->ready || conn->sock == PGINVALID_SOCKET)
 	{
 		ereport(WARNING,

@@ -1,0 +1,733 @@
+/*
+ * shared_queue.c
+ *	  The queue in shared memory between the sessions and the rl_redis
+ *	  worker (rl_redis.transport = shared).
+ *
+ * With the library preloaded, shared memory holds rl_redis.shared_queue_size
+ * slots. A session that makes a script call under rl_redis.transport =
+ * shared claims a free slot, writes the call into it (the script's id, its
+ * arguments), marks it queued and sets the worker's latch; then it waits on
+ * its own latch for the reply, which the worker writes into the slot in the
+ * Redis protocol. The worker (worker.c) takes every queued slot at once and
+ * sends their calls in one pipeline per Redis node, so that the sessions
+ * share its connections and its wake-ups.
+ *
+ * A slot's life, under its spinlock:
+ *   FREE -> FILLING (a session writes the call) -> QUEUED -> TAKEN (the
+ *   worker sends it) -> DONE (reply or failure in the slot) -> FREE (the
+ *   session read it).
+ * A session that stops waiting (cancel, statement_timeout, its own wait
+ * bound) frees a QUEUED slot (the call never left), or marks a TAKEN one
+ * ABANDONED, which the worker frees when the reply comes: a reply is only
+ * ever read by the session that asked, and each slot carries a ticket so
+ * that a reused slot is never mistaken for the old call.
+ *
+ * Work of a transaction end (refunds, slot releases) is handed over as
+ * DEFERRED slots: the worker queues it on its own connection and nobody
+ * waits (handing over never waits: a transaction end must not).
+ *
+ * A session uses its own connection instead (rl_shared_call says so) when
+ * the worker is not running, when its connection settings differ from the
+ * worker's (a session-level SET rl_redis.port, say), when the call or its
+ * reply would not fit a slot, or when every slot is taken; the last two are
+ * logged once per session. When the worker exits, the calls it had taken
+ * fail (they may have run, so they are never sent again) and the calls
+ * still queued go back to their sessions, which send them themselves.
+ */
+#include "postgres.h"
+
+#include "miscadmin.h"
+#include "common/hashfn.h"
+#include "pgstat.h"
+#include "storage/ipc.h"
+#include "storage/latch.h"
+#include "storage/lwlock.h"
+#include "storage/proc.h"
+#include "storage/shmem.h"
+#include "storage/spin.h"
+#include "utils/timestamp.h"
+#include "utils/wait_event.h"
+
+#include "rl_redis.h"
+
+/* the most bytes of a call's arguments and of its reply that a slot holds */
+#define RL_SLOT_REQUEST 8192
+#define RL_SLOT_REPLY 2048
+
+/* how often a waiting session checks that the worker still runs */
+#define RL_WORKER_CHECK_MS 100
+
+typedef enum RlSlotState
+{
+	RL_SLOT_FREE,
+	RL_SLOT_FILLING,
+	RL_SLOT_QUEUED,
+	RL_SLOT_TAKEN,
+	RL_SLOT_DONE,
+	RL_SLOT_ABANDONED,
+	RL_SLOT_DEFERRED			/* transaction-end work: nobody waits */
+} RlSlotState;
+
+/* One call in the queue. */
+typedef struct RlSlot
+{
+	slock_t		mutex;
+	RlSlotState state;
+	uint64		ticket;			/* changes with each use of the slot */
+	PGPROC	   *owner;			/* who waits for the reply */
+	uint64		worker_gen;		/* the worker that took it */
+	/* the call: a script (id) and its arguments after EVALSHA and the sha */
+	int			script_id;
+	int			argc;			/* of the arguments here */
+	int			keyarg;			/* the argument it routes by */
+	/* deferred work: for the server at this address (see RlDeferred) */
+	char		host[RL_ADDRESS_LEN];
+	int			port;
+	bool		idempotent;
+	size_t		script_len;
+	uint64		script_hash;
+	int			nargs;
+	int			request_len;
+	char		request[RL_SLOT_REQUEST];	/* (uint32 length, bytes) each */
+	/* the result */
+	bool		failed;
+	RlFailure	failure;
+	int			reply_len;
+	char		reply[RL_SLOT_REPLY];	/* in the Redis protocol */
+} RlSlot;
+
+/* The queue. */
+typedef struct RlQueue
+{
+	slock_t		mutex;			/* for the worker fields and next_ticket */
+	pid_t		worker_pid;		/* 0 when no worker runs */
+	uint64		worker_gen;		/* counts the workers started */
+	PGPROC	   *worker_proc;
+	uint64		worker_settings;	/* hash of its connection settings */
+	uint64		next_ticket;
+	int			nslots;
+	RlSlot		slots[FLEXIBLE_ARRAY_MEMBER];
+} RlQueue;
+
+static RlQueue *queue = NULL;
+
+/* what this session logged once */
+static bool full_logged = false;
+static bool large_logged = false;
+
+static shmem_request_hook_type prev_shmem_request_hook = NULL;
+static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+
+/* The size of the queue in shared memory. */
+static Size
+rl_queue_size(void)
+{
+	return add_size(offsetof(RlQueue, slots),
+					mul_size(sizeof(RlSlot), rl_shared_queue_size));
+}
+
+/* Asks the postmaster for the queue's shared memory. */
+static void
+rl_queue_shmem_request(void)
+{
+	if (prev_shmem_request_hook)
+		prev_shmem_request_hook();
+	RequestAddinShmemSpace(MAXALIGN(rl_queue_size()));
+}
+
+/* Makes (or attaches to) the queue. */
+static void
+rl_queue_shmem_startup(void)
+{
+	bool		found;
+	int			i;
+
+	if (prev_shmem_startup_hook)
+		prev_shmem_startup_hook();
+	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
+	queue = ShmemInitStruct("rl_redis shared queue", rl_queue_size(), &found);
+	if (!found)
+	{
+		memset(queue, 0, offsetof(RlQueue, slots));
+		SpinLockInit(&queue->mutex);
+		queue->nslots = rl_shared_queue_size;
+		queue->next_ticket = 1;
+		for (i = 0; i < queue->nslots; i++)
+		{
+			SpinLockInit(&queue->slots[i].mutex);
+			queue->slots[i].state = RL_SLOT_FREE;
+			queue->slots[i].ticket = 0;
+		}
+	}
+	LWLockRelease(AddinShmemInitLock);
+}
+
+/* Installs the shared-memory hooks when the library is being preloaded. */
+void
+rl_shared_queue_init(void)
+{
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+	prev_shmem_request_hook = shmem_request_hook;
+	shmem_request_hook = rl_queue_shmem_request;
+	prev_shmem_startup_hook = shmem_startup_hook;
+	shmem_startup_hook = rl_queue_shmem_startup;
+}
+
+/* A new ticket. */
+static uint64
+rl_next_ticket(void)
+{
+	uint64		t;
+
+	SpinLockAcquire(&queue->mutex);
+	t = queue->next_ticket++;
+	SpinLockRelease(&queue->mutex);
+	return t;
+}
+
+/*
+ * The worker running now and its connection settings: false when none
+ * runs.
+ */
+static bool
+rl_worker_running(uint64 *gen, uint64 *settings, PGPROC **proc)
+{
+	bool		running;
+
+	SpinLockAcquire(&queue->mutex);
+	running = queue->worker_pid != 0;
+	*gen = queue->worker_gen;
+	*settings = queue->worker_settings;
+	*proc = queue->worker_proc;
+	SpinLockRelease(&queue->mutex);
+	return running;
+}
+
+/* Claims a free slot (state FILLING, owner this session), or NULL. */
+static RlSlot *
+rl_claim_slot(void)
+{
+	int			start = MyProc->pgprocno % queue->nslots;
+	int			i;
+
+	for (i = 0; i < queue->nslots; i++)
+	{
+		RlSlot	   *slot = &queue->slots[(start + i) % queue->nslots];
+
+		/* a racy look first, the lock only for a likely one */
+		if (slot->state != RL_SLOT_FREE)
+			continue;
+		SpinLockAcquire(&slot->mutex);
+		if (slot->state == RL_SLOT_FREE)
+		{
+			slot->state = RL_SLOT_FILLING;
+			slot->owner = MyProc;
+			SpinLockRelease(&slot->mutex);
+			return slot;
+		}
+		SpinLockRelease(&slot->mutex);
+	}
+	return NULL;
+}
+
+/* Gives a claimed slot back unused. */
+static void
+rl_release_slot(RlSlot *slot)
+{
+	SpinLockAcquire(&slot->mutex);
+	slot->state = RL_SLOT_FREE;
+	SpinLockRelease(&slot->mutex);
+}
+
+/* Marks a filled slot queued (or deferred) and wakes the worker. */
+static void
+rl_enqueue(RlSlot *slot, RlSlotState state, PGPROC *worker)
+{
+	uint64		ticket = rl_next_ticket();
+
+	SpinLockAcquire(&slot->mutex);
+	slot->ticket = ticket;
+	slot->failed = false;
+	slot->reply_len = 0;
+	slot->state = state;
+	SpinLockRelease(&slot->mutex);
+	SetLatch(&worker->procLatch);
+}
+
+/*
+ * True when a call may go through the worker now: rl_redis.transport is
+ * shared, the queue exists, a worker runs with the same connection
+ * settings as this session (settings: their hash, rl_settings_hash), in
+ * standalone mode.
+ */
+static bool
+rl_shared_usable(uint64 settings, uint64 *gen, PGPROC **worker)
+{
+	uint64		worker_settings;
+
+	if (rl_transport != RL_TRANSPORT_SHARED || queue == NULL ||
+		rl_mode != RL_MODE_STANDALONE)
+		return false;
+	if (!rl_worker_running(gen, &worker_settings, worker))
+		return false;
+	return worker_settings == settings;
+}
+
+/*
+ * Writes the arguments argv[from..argc-1] into slot as (length, bytes)
+ * each; false when they do not fit.
+ */
+static bool
+rl_slot_write_args(RlSlot *slot, int from, int argc, const char **argv,
+				   const size_t *argvlen)
+{
+	size_t		len = 0;
+	int			i;
+
+	for (i = from; i < argc; i++)
+	{
+		uint32		n = (uint32) argvlen[i];
+
+		if (len + sizeof(uint32) + argvlen[i] > RL_SLOT_REQUEST)
+			return false;
+		memcpy(slot->request + len, &n, sizeof(uint32));
+		memcpy(slot->request + len + sizeof(uint32), argv[i], argvlen[i]);
+		len += sizeof(uint32) + argvlen[i];
+	}
+	slot->request_len = (int) len;
+	slot->argc = argc - from;
+	return true;
+}
+
+/*
+ * Sends a script call through the worker and returns its reply (the caller
+ * frees it with freeReplyObject; it may be an error reply), or NULL with
+ * failure filled in. argv[RL_SCRIPT_ARGV_RESERVED..argc-1] are the
+ * script's numkeys, keys and arguments; argv[keyarg] the key it routes by.
+ * *used is false (and nothing sent) when the call must go on the session's
+ * own connection instead: see the file's header; settings is the hash of
+ * this session's connection settings. The wait ends at the latest after
+ * connect_timeout plus command_timeout; an interrupt (cancel,
+ * statement_timeout) raises its error from inside, and the reply of that
+ * call is then dropped by the worker.
+ */
+redisReply *
+rl_shared_call(const RlScript *script, int argc, const char **argv,
+			   const size_t *argvlen, int keyarg, uint64 settings,
+			   RlFailure *failure, bool *used)
+{
+	RlSlot	   *slot;
+	PGPROC	   *worker;
+	uint64		gen;
+	uint64		ticket PG_USED_FOR_ASSERTS_ONLY;
+	TimestampTz deadline;
+	int			wait_ms = rl_connect_timeout +
+		(rl_command_timeout > 0 ? rl_command_timeout : 60000);
+	redisReader *reader;
+	void	   *reply = NULL;
+	volatile bool done = false;
+
+	*used = false;
+	if (!rl_shared_usable(settings, &gen, &worker))
+		return NULL;
+	slot = rl_claim_slot();
+	if (slot == NULL)
+	{
+		if (!full_logged)
+			ereport(LOG,
+					(errmsg("rl_redis: the shared queue is full; this session's calls use its own connection meanwhile"),
+					 errhint("Raise rl_redis.shared_queue_size (now %d).",
+							 rl_shared_queue_size)));
+		full_logged = true;
+		return NULL;
+	}
+	slot->script_id = script->id;
+	slot->keyarg = keyarg - RL_SCRIPT_ARGV_RESERVED;
+	if (!rl_slot_write_args(slot, RL_SCRIPT_ARGV_RESERVED, argc, argv, argvlen))
+	{
+		rl_release_slot(slot);
+		if (!large_logged)
+			ereport(LOG,
+					(errmsg("rl_redis: a call larger than %d bytes uses the session's own connection",
+							RL_SLOT_REQUEST)));
+		large_logged = true;
+		return NULL;
+	}
+	rl_enqueue(slot, RL_SLOT_QUEUED, worker);
+	ticket = slot->ticket;
+	*used = true;
+
+	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), wait_ms);
+	PG_TRY();
+	{
+		for (;;)
+		{
+			RlSlotState state;
+			uint64		now_gen;
+			uint64		now_settings;
+			PGPROC	   *now_worker;
+			long		left;
+
+			SpinLockAcquire(&slot->mutex);
+			Assert(slot->ticket == ticket);
+			state = slot->state;
+			SpinLockRelease(&slot->mutex);
+			if (state == RL_SLOT_DONE)
+				break;
+
+			/* the worker that was to send it is gone */
+			if (!rl_worker_running(&now_gen, &now_settings, &now_worker) ||
+				now_gen != gen)
+			{
+				SpinLockAcquire(&slot->mutex);
+				state = slot->state;
+				if (state == RL_SLOT_QUEUED)
+					slot->state = RL_SLOT_FREE;
+				SpinLockRelease(&slot->mutex);
+				if (state == RL_SLOT_QUEUED)
+				{
+					/* it never left: the session sends it itself */
+					*used = false;
+					done = true;
+					break;
+				}
+				if (state == RL_SLOT_DONE)
+					break;
+				/* taken: the exiting worker fails it, or a new one */
+				if (now_gen != gen && now_worker != NULL)
+					gen = now_gen;
+			}
+
+			left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), deadline);
+			if (left <= 0)
+			{
+				SpinLockAcquire(&slot->mutex);
+				state = slot->state;
+				if (state == RL_SLOT_QUEUED)
+					slot->state = RL_SLOT_FREE;
+				else if (state != RL_SLOT_DONE)
+					slot->state = RL_SLOT_ABANDONED;
+				SpinLockRelease(&slot->mutex);
+				if (state == RL_SLOT_DONE)
+					break;
+				failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+				failure->first_in_outage = true;
+				failure->breaker_opened = false;
+				snprintf(failure->message, sizeof(failure->message),
+						 "timed out after %d ms waiting for the rl_redis worker's reply from Redis",
+						 wait_ms);
+				done = true;
+				break;
+			}
+			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 Min(left, RL_WORKER_CHECK_MS), PG_WAIT_EXTENSION);
+			ResetLatch(MyLatch);
+			CHECK_FOR_INTERRUPTS();
+		}
+	}
+	PG_CATCH();
+	{
+		/* an interrupt: the reply, if it comes, is not ours to read */
+		SpinLockAcquire(&slot->mutex);
+		if (slot->state == RL_SLOT_QUEUED || slot->state == RL_SLOT_DONE)
+			slot->state = RL_SLOT_FREE;
+		else if (slot->state == RL_SLOT_TAKEN)
+			slot->state = RL_SLOT_ABANDONED;
+		SpinLockRelease(&slot->mutex);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	if (done)
+		return NULL;
+
+	/* DONE: the slot is ours until it is freed */
+	if (slot->failed)
+	{
+		*failure = slot->failure;
+		rl_release_slot(slot);
+		return NULL;
+	}
+	reader = redisReaderCreate();
+	if (reader == NULL ||
+		redisReaderFeed(reader, slot->reply, slot->reply_len) != REDIS_OK ||
+		redisReaderGetReply(reader, &reply) != REDIS_OK || reply == NULL)
+	{
+		if (reply != NULL)
+			freeReplyObject(reply);
+		reply = NULL;
+		failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
+		failure->first_in_outage = true;
+		failure->breaker_opened = false;
+		snprintf(failure->message, sizeof(failure->message),
+				 "invalid reply from the rl_redis worker");
+	}
+	if (reader != NULL)
+		redisReaderFree(reader);
+	rl_release_slot(slot);
+	return (redisReply *) reply;
+}
+
+/*
+ * Hands work of a transaction end (one command, for the server at
+ * work->host:port) to the worker, which queues it on its own connection;
+ * true when it was taken. Never waits and never raises: for transaction
+ * ends.
+ */
+bool
+rl_shared_defer(const RlDeferred *work, uint64 settings)
+{
+	RlSlot	   *slot;
+	PGPROC	   *worker;
+	uint64		gen;
+
+	if (!rl_shared_usable(settings, &gen, &worker) ||
+		work->len > RL_SLOT_REQUEST || strlen(work->host) >= RL_ADDRESS_LEN)
+		return false;
+	slot = rl_claim_slot();
+	if (slot == NULL)
+		return false;
+	strlcpy(slot->host, work->host, RL_ADDRESS_LEN);
+	slot->port = work->port;
+	slot->idempotent = work->idempotent;
+	slot->script_len = work->script_len;
+	slot->script_hash = work->script_hash;
+	slot->nargs = work->nargs;
+	memcpy(slot->request, work->encoded, work->len);
+	slot->request_len = (int) work->len;
+	slot->argc = 0;
+	rl_enqueue(slot, RL_SLOT_DEFERRED, worker);
+	return true;
+}
+
+/*
+ * The worker starts: records its process, generation and connection
+ * settings (rl_settings_hash). Returns its generation.
+ */
+uint64
+rl_shared_worker_start(uint64 settings)
+{
+	uint64		gen;
+
+	SpinLockAcquire(&queue->mutex);
+	queue->worker_pid = MyProcPid;
+	queue->worker_proc = MyProc;
+	queue->worker_settings = settings;
+	gen = ++queue->worker_gen;
+	SpinLockRelease(&queue->mutex);
+	return gen;
+}
+
+/* The worker's connection settings changed (a reload). */
+void
+rl_shared_worker_settings(uint64 settings)
+{
+	SpinLockAcquire(&queue->mutex);
+	queue->worker_settings = settings;
+	SpinLockRelease(&queue->mutex);
+}
+
+/*
+ * The worker exits: no session sends it more, and the calls it took fail
+ * (they may have run: never sent again). Runs from an exit callback.
+ */
+void
+rl_shared_worker_stop(void)
+{
+	int			i;
+
+	SpinLockAcquire(&queue->mutex);
+	queue->worker_pid = 0;
+	queue->worker_proc = NULL;
+	SpinLockRelease(&queue->mutex);
+	for (i = 0; i < queue->nslots; i++)
+	{
+		RlSlot	   *slot = &queue->slots[i];
+		PGPROC	   *owner = NULL;
+
+		SpinLockAcquire(&slot->mutex);
+		if (slot->state == RL_SLOT_TAKEN)
+		{
+			slot->failed = true;
+			slot->failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+			slot->failure.first_in_outage = true;
+			slot->failure.breaker_opened = false;
+			snprintf(slot->failure.message, sizeof(slot->failure.message),
+					 "the rl_redis worker exited while a call to Redis was on its way; it may have been applied");
+			slot->state = RL_SLOT_DONE;
+			owner = slot->owner;
+		}
+		else if (slot->state == RL_SLOT_ABANDONED)
+			slot->state = RL_SLOT_FREE;
+		SpinLockRelease(&slot->mutex);
+		if (owner != NULL)
+			SetLatch(&owner->procLatch);
+	}
+}
+
+/* The number of slots, for the worker's arrays. */
+int
+rl_shared_slots(void)
+{
+	return queue ? queue->nslots : 0;
+}
+
+/*
+ * The worker takes the slot i when it is queued or deferred: a call
+ * (state TAKEN) is copied into *call (its arguments palloc'd, argv[0..1]
+ * left for the script) and 1 returned; deferred work is copied into *work
+ * (host and encoded palloc'd), the slot freed at once, and 2 returned; 0
+ * when there is nothing to take.
+ */
+int
+rl_shared_take(int i, RlCall *call, RlDeferred *work)
+{
+	RlSlot	   *slot = &queue->slots[i];
+	RlSlotState state = slot->state;
+	int			argc;
+	const char **argv;
+	size_t	   *argvlen;
+	char	   *copy;
+	size_t		off = 0;
+	int			k;
+
+	/* a racy look first */
+	if (state != RL_SLOT_QUEUED && state != RL_SLOT_DEFERRED)
+		return 0;
+	SpinLockAcquire(&slot->mutex);
+	state = slot->state;
+	if (state == RL_SLOT_QUEUED)
+		slot->state = RL_SLOT_TAKEN;
+	SpinLockRelease(&slot->mutex);
+
+	if (state == RL_SLOT_DEFERRED)
+	{
+		/* a DEFERRED slot is the worker's alone: copy, then free it */
+		work->host = pstrdup(slot->host);
+		work->port = slot->port;
+		work->idempotent = slot->idempotent;
+		work->script_len = slot->script_len;
+		work->script_hash = slot->script_hash;
+		work->nargs = slot->nargs;
+		work->len = slot->request_len;
+		copy = palloc(Max(work->len, 1));
+		memcpy(copy, slot->request, work->len);
+		work->encoded = copy;
+		rl_release_slot(slot);
+		return 2;
+	}
+	if (state != RL_SLOT_QUEUED)
+		return 0;
+
+	/* TAKEN: the session no longer writes it */
+	argc = RL_SCRIPT_ARGV_RESERVED + slot->argc;
+	argv = palloc(sizeof(char *) * argc);
+	argvlen = palloc(sizeof(size_t) * argc);
+	copy = palloc(Max(slot->request_len, 1));
+	memcpy(copy, slot->request, slot->request_len);
+	for (k = RL_SCRIPT_ARGV_RESERVED; k < argc; k++)
+	{
+		uint32		n;
+
+		memcpy(&n, copy + off, sizeof(uint32));
+		argv[k] = copy + off + sizeof(uint32);
+		argvlen[k] = n;
+		off += sizeof(uint32) + n;
+	}
+	memset(call, 0, sizeof(RlCall));
+	call->script = rl_script_by_id(slot->script_id);
+	call->argc = argc;
+	call->argv = argv;
+	call->argvlen = argvlen;
+	call->key = argv[RL_SCRIPT_ARGV_RESERVED + slot->keyarg];
+	call->keylen = argvlen[RL_SCRIPT_ARGV_RESERVED + slot->keyarg];
+	return 1;
+}
+
+/* Appends reply, encoded in the Redis protocol, to buf. */
+static void
+rl_encode_reply(StringInfo buf, const redisReply *reply)
+{
+	size_t		i;
+
+	switch (reply->type)
+	{
+		case REDIS_REPLY_INTEGER:
+			appendStringInfo(buf, ":%lld\r\n", (long long) reply->integer);
+			break;
+		case REDIS_REPLY_STRING:
+			appendStringInfo(buf, "$%zu\r\n", reply->len);
+			appendBinaryStringInfo(buf, reply->str, reply->len);
+			appendBinaryStringInfo(buf, "\r\n", 2);
+			break;
+		case REDIS_REPLY_STATUS:
+		case REDIS_REPLY_ERROR:
+			/* one line: a CR or LF inside would end it early */
+			appendStringInfoChar(buf, reply->type == REDIS_REPLY_ERROR ? '-' : '+');
+			for (i = 0; i < reply->len; i++)
+				appendStringInfoChar(buf, (reply->str[i] == '\r' || reply->str[i] == '\n') ?
+									 ' ' : reply->str[i]);
+			appendBinaryStringInfo(buf, "\r\n", 2);
+			break;
+		case REDIS_REPLY_ARRAY:
+			appendStringInfo(buf, "*%zu\r\n", reply->elements);
+			for (i = 0; i < reply->elements; i++)
+				rl_encode_reply(buf, reply->element[i]);
+			break;
+		default:
+			appendStringInfoString(buf, "$-1\r\n");
+			break;
+	}
+}
+
+/*
+ * The worker hands back the result of the call it took from slot i: the
+ * reply (not freed here), or the failure when reply is NULL; the session
+ * is woken. A session that stopped waiting gets nothing: the slot is freed.
+ */
+void
+rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure)
+{
+	RlSlot	   *slot = &queue->slots[i];
+	StringInfoData buf;
+	PGPROC	   *owner = NULL;
+
+	/*
+	 * A TAKEN or ABANDONED slot's result is the worker's to write: the
+	 * session reads it only once it is DONE, and frees an ABANDONED one
+	 * never.
+	 */
+	initStringInfo(&buf);
+	if (reply != NULL)
+		rl_encode_reply(&buf, reply);
+	slot->failed = reply == NULL || buf.len > RL_SLOT_REPLY;
+	if (reply == NULL)
+		slot->failure = *failure;
+	else if (buf.len > RL_SLOT_REPLY)
+	{
+		slot->failure.sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
+		slot->failure.first_in_outage = true;
+		slot->failure.breaker_opened = false;
+		snprintf(slot->failure.message, sizeof(slot->failure.message),
+				 "a reply of %d bytes from Redis does not fit the shared queue (%d)",
+				 buf.len, RL_SLOT_REPLY);
+	}
+	else
+	{
+		memcpy(slot->reply, buf.data, buf.len);
+		slot->reply_len = buf.len;
+	}
+	pfree(buf.data);
+
+	SpinLockAcquire(&slot->mutex);
+	if (slot->state == RL_SLOT_ABANDONED)
+		slot->state = RL_SLOT_FREE;
+	else if (slot->state == RL_SLOT_TAKEN)
+	{
+		slot->state = RL_SLOT_DONE;
+		owner = slot->owner;
+	}
+	SpinLockRelease(&slot->mutex);
+	if (owner != NULL)
+		SetLatch(&owner->procLatch);
+}

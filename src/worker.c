@@ -1,0 +1,200 @@
+/*
+ * worker.c
+ *	  The rl_redis worker: one background process per database cluster that
+ *	  sends the sessions' script calls on its own connection, pipelined
+ *	  (rl_redis.transport = shared).
+ *
+ * Registered when the library is preloaded; it opens no connection until a
+ * session hands it a call. Each round it takes every call queued in shared
+ * memory (shared_queue.c) and sends them with rl_call_many, one pipeline
+ * per Redis node, so that the calls of many sessions share one write, one
+ * read and one wake-up of Redis, and the server holds one connection per
+ * Redis node whatever the number of sessions. Work of the sessions'
+ * transaction ends is queued on its connection and goes with its next
+ * write. It reads rl_redis.* from the configuration files (a reload is
+ * taken at once); a session whose settings differ uses its own connection.
+ * rl_redis.idle_timeout closes its idle connections.
+ *
+ * If it exits, the calls it had taken fail (on_error applies in their
+ * sessions), those still queued are sent by their sessions, and the
+ * postmaster starts it again after RL_WORKER_RESTART_S.
+ */
+#include "postgres.h"
+
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "postmaster/bgworker.h"
+#include "postmaster/interrupt.h"
+#include "storage/ipc.h"
+#include "storage/latch.h"
+#include "tcop/tcopprot.h"
+#include "utils/guc.h"
+#include "utils/memutils.h"
+#include "utils/timestamp.h"
+#include "utils/wait_event.h"
+
+#include "rl_redis.h"
+
+/* how soon the postmaster starts a worker that exited */
+#define RL_WORKER_RESTART_S 1
+
+/* how long the worker sleeps with nothing to do (its idle check) */
+#define RL_WORKER_NAP_MS 1000
+
+PGDLLEXPORT void rl_worker_main(Datum arg);
+
+/* Registers the worker; called from _PG_init while preloading. */
+void
+rl_worker_register(void)
+{
+	BackgroundWorker worker;
+
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS;
+	worker.bgw_start_time = BgWorkerStart_PostmasterStart;
+	worker.bgw_restart_time = RL_WORKER_RESTART_S;
+	snprintf(worker.bgw_library_name, BGW_MAXLEN, "rl_redis");
+	snprintf(worker.bgw_function_name, BGW_MAXLEN, "rl_worker_main");
+	snprintf(worker.bgw_name, BGW_MAXLEN, "rl_redis worker");
+	snprintf(worker.bgw_type, BGW_MAXLEN, "rl_redis worker");
+	RegisterBackgroundWorker(&worker);
+}
+
+/* On exit: the calls taken fail, no session sends more. */
+static void
+rl_worker_exit(int code, Datum arg)
+{
+	rl_shared_worker_stop();
+}
+
+/*
+ * Takes every queued call and transaction-end work from the queue, sends
+ * the calls (pipelined) and hands their results back. Returns how many
+ * calls it sent; *deferred says whether work of transaction ends came.
+ */
+static int
+rl_worker_round(RlCall *calls, int *slots, bool *deferred)
+{
+	int			nslots = rl_shared_slots();
+	int			n = 0;
+	int			i;
+
+	*deferred = false;
+	for (i = 0; i < nslots; i++)
+	{
+		RlDeferred	work;
+		const RlScript *script = NULL;
+
+		switch (rl_shared_take(i, &calls[n], &work))
+		{
+			case 1:
+				if (calls[n].script == NULL)
+				{
+					RlFailure	failure = {0};
+
+					failure.sqlerrcode = ERRCODE_INTERNAL_ERROR;
+					snprintf(failure.message, sizeof(failure.message),
+							 "the rl_redis worker does not know the script of a call");
+					rl_shared_complete(i, NULL, &failure);
+					break;
+				}
+				slots[n++] = i;
+				break;
+			case 2:
+				if (work.script_len > 0 &&
+					(script = rl_script_by_text(work.script_len, work.script_hash)) == NULL)
+				{
+					ereport(LOG,
+							(errmsg("rl_redis worker: dropped transaction-end work for an unknown script")));
+					break;
+				}
+				rl_conn_defer_handed(rl_conn_at(work.host, work.port, RL_CONN_SERVER),
+									 &work, script ? script->body : NULL);
+				*deferred = true;
+				break;
+			default:
+				break;
+		}
+	}
+	if (n > 0)
+	{
+		rl_call_many(calls, n);
+		for (i = 0; i < n; i++)
+		{
+			rl_shared_complete(slots[i], calls[i].reply, &calls[i].failure);
+			if (calls[i].reply != NULL)
+				freeReplyObject(calls[i].reply);
+			calls[i].reply = NULL;
+		}
+	}
+	return n;
+}
+
+/* The worker's main loop. */
+void
+rl_worker_main(Datum arg)
+{
+	MemoryContext round_cxt;
+	RlCall	   *calls;
+	int		   *slots;
+	TimestampTz last_used = 0;
+
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, die);
+	BackgroundWorkerUnblockSignals();
+	pgstat_report_appname("rl_redis worker");
+
+	before_shmem_exit(rl_worker_exit, (Datum) 0);
+	(void) rl_shared_worker_start(rl_settings_hash());
+	ereport(LOG,
+			(errmsg("rl_redis worker started with %d queue slots",
+					rl_shared_slots())));
+
+	calls = MemoryContextAlloc(TopMemoryContext, sizeof(RlCall) * Max(rl_shared_slots(), 1));
+	slots = MemoryContextAlloc(TopMemoryContext, sizeof(int) * Max(rl_shared_slots(), 1));
+	round_cxt = AllocSetContextCreate(TopMemoryContext, "rl_redis worker round",
+									  ALLOCSET_DEFAULT_SIZES);
+	for (;;)
+	{
+		MemoryContext old;
+		bool		deferred;
+		int			sent;
+
+		/* reset first: a call queued from here on sets it again */
+		ResetLatch(MyLatch);
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+			rl_shared_worker_settings(rl_settings_hash());
+		}
+
+		MemoryContextReset(round_cxt);
+		old = MemoryContextSwitchTo(round_cxt);
+		sent = rl_worker_round(calls, slots, &deferred);
+		/* transaction-end work alone: sent now, not with the next call */
+		if (deferred && sent == 0)
+			rl_send_queued(NULL);
+		MemoryContextSwitchTo(old);
+		if (sent > 0 || deferred)
+		{
+			last_used = GetCurrentTimestamp();
+			continue;			/* more may have come meanwhile */
+		}
+
+		if (rl_idle_timeout > 0 && last_used != 0 &&
+			TimestampDifferenceExceeds(last_used, GetCurrentTimestamp(),
+									   rl_idle_timeout))
+		{
+			rl_close_idle();
+			last_used = 0;
+		}
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 rl_idle_timeout > 0 ? Min(RL_WORKER_NAP_MS, rl_idle_timeout) :
+						 RL_WORKER_NAP_MS,
+						 PG_WAIT_EXTENSION);
+	}
+}
