@@ -15,6 +15,12 @@
 #        H = 1 / (1/TPS(SELECT 1, 8 clients) + 1/TPS(the same EVALSHA, 8 clients))
 #        target >= 0.90
 #
+# and the same with rl_redis.transport = shared (the calls go through the
+# rl_redis worker's one pipelined connection): R1 target <= 1.10, E8 target
+# >= 1.0. Last, the number of Redis connections the PostgreSQL server holds
+# (CLIENT LIST) while 8 and then 100 sessions call rl_fixed_allow, in each
+# mode.
+#
 # PostgreSQL side: pgbench -n -M prepared -T $BENCH_SECONDS over TCP
 # loopback, 100000 random identities, a limit that is never reached (lim
 # 100000 per minute; for the sliding log every session raises
@@ -39,6 +45,7 @@ BENCH_ROUNDS=${BENCH_ROUNDS:-3}
 IDENTITIES=100000
 WARMUP_SECONDS=2
 ALGORITHMS=(sliding fixed)
+SHARED=(sliding@shared fixed@shared)
 
 die() {
 	echo "bench: $*" >&2
@@ -132,9 +139,12 @@ flush() {
 # neither -R nor -P is used, printed to 3 decimals only, so latencies are
 # computed from the TPS instead.
 run_pgbench() {
-	local script=$1 clients=$2 seconds=$3 threads=1 out tps failed
+	local script=${1%@shared} clients=$2 seconds=$3 threads=1 out tps failed
+	local options=${PGOPTIONS:-}
 	[ "$clients" -gt 1 ] && threads=2
-	out=$(pgbench -n -M prepared -T "$seconds" -c "$clients" -j "$threads" \
+	# NAME@shared: the workload NAME with rl_redis.transport = shared
+	[ "$1" != "$script" ] && options+=" -c rl_redis.transport=shared"
+	out=$(PGOPTIONS="$options" pgbench -n -M prepared -T "$seconds" -c "$clients" -j "$threads" \
 		-f "$work/$script.sql" 2>&1) ||
 		{ echo "$out" >&2; die "pgbench $script -c $clients failed"; }
 	failed=$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' <<<"$out")
@@ -215,7 +225,7 @@ echo "warm-up (${WARMUP_SECONDS} s per workload) ..."
 flush
 declare -A nreq
 for c in 1 8; do
-	for w in select1 "${ALGORITHMS[@]}"; do
+	for w in select1 "${ALGORITHMS[@]}" "${SHARED[@]}"; do
 		run_pgbench "$w" "$c" "$WARMUP_SECONDS" >/dev/null
 		flush
 	done
@@ -234,7 +244,7 @@ declare -A tps rrps rlat
 for ((r = 1; r <= BENCH_ROUNDS; r++)); do
 	echo "round $r of $BENCH_ROUNDS ..."
 	for c in 1 8; do
-		for w in select1 "${ALGORITHMS[@]}"; do
+		for w in select1 "${ALGORITHMS[@]}" "${SHARED[@]}"; do
 			tps[$w.$c.$r]=$(run_pgbench "$w" "$c" "$BENCH_SECONDS") || exit 1
 			flush
 		done
@@ -286,12 +296,14 @@ pg_lat() {
 	done
 }
 
-# per round: R1 and E8 of each algorithm
+# per round: R1 and E8 of each algorithm, in each mode (the same Redis
+# figures: the worker sends the very command)
 declare -A R1 E8
-for alg in "${ALGORITHMS[@]}"; do
+for w in "${ALGORITHMS[@]}" "${SHARED[@]}"; do
+	alg=${w%@shared}
 	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-		R1[$alg.$r]=$(calc "(1000 / ${tps[$alg.1.$r]}) / (1000 / ${tps[select1.1.$r]} + ${rlat[$alg.1.$r]})")
-		E8[$alg.$r]=$(calc "${tps[$alg.8.$r]} * (1 / ${tps[select1.8.$r]} + 1 / ${rrps[$alg.8.$r]})")
+		R1[$w.$r]=$(calc "(1000 / ${tps[$w.1.$r]}) / (1000 / ${tps[select1.1.$r]} + ${rlat[$alg.1.$r]})")
+		E8[$w.$r]=$(calc "${tps[$w.8.$r]} * (1 / ${tps[select1.8.$r]} + 1 / ${rrps[$alg.8.$r]})")
 	done
 done
 
@@ -318,6 +330,8 @@ row "pgbench          SELECT 1" "$(fig %.4f $(pg_lat select1))" "$(fig %.0f $(va
 for alg in "${ALGORITHMS[@]}"; do
 	row "pgbench          SELECT rl_${alg}_allow(...)" "$(fig %.4f $(pg_lat "$alg"))" \
 		"$(fig %.0f $(values "$alg.8" tps))"
+	row "  the same, transport = shared" "$(fig %.4f $(pg_lat "$alg@shared"))" \
+		"$(fig %.0f $(values "$alg@shared.8" tps))"
 	row "redis-benchmark  EVALSHA of rl_${alg}_allow" "$(fig %.4f $(values "$alg.1" rlat))" \
 		"$(fig %.0f $(values "$alg.8" rrps))"
 done
@@ -326,16 +340,44 @@ echo "  is, without its rounding to 1 us); redis-benchmark latency = its avg_lat
 echo "  of the 1-client run (1 us resolution); 8-client pgbench runs use -j 2."
 
 echo
-printf '%-22s %8s %8s  %-8s %s\n' "ratio" "value" "target" "verdict" "per round"
+# ratio NAME KEY ARRAY OP TARGET: one line of the table
+ratio() {
+	local v verdict
+	v=$(median $(values "$2" "$3"))
+	verdict=$(awk -v v="$v" -v t="$5" "BEGIN { print (v $4 t) ? \"met\" : \"MISSED\" }")
+	printf '%-30s %8.3f %8s  %-8s %s\n' "$1" "$v" "$4 $5" "$verdict" "$(rounds_of "$2" "$3")"
+}
+printf '%-30s %8s %8s  %-8s %s\n' "ratio" "value" "target" "verdict" "per round"
 for alg in "${ALGORITHMS[@]}"; do
-	v=$(median $(values "$alg" R1))
-	verdict=$(awk -v v="$v" 'BEGIN { print (v <= 1.03) ? "met" : "MISSED" }')
-	printf '%-22s %8.3f %8s  %-8s %s\n' "R1 rl_${alg}_allow" "$v" "<= 1.03" "$verdict" "$(rounds_of "$alg" R1)"
-	v=$(median $(values "$alg" E8))
-	verdict=$(awk -v v="$v" 'BEGIN { print (v >= 0.90) ? "met" : "MISSED" }')
-	printf '%-22s %8.3f %8s  %-8s %s\n' "E8 rl_${alg}_allow" "$v" ">= 0.90" "$verdict" "$(rounds_of "$alg" E8)"
+	ratio "R1 rl_${alg}_allow" "$alg" R1 "<=" 1.03
+	ratio "E8 rl_${alg}_allow" "$alg" E8 ">=" 0.90
+	ratio "R1 rl_${alg}_allow shared" "$alg@shared" R1 "<=" 1.10
+	ratio "E8 rl_${alg}_allow shared" "$alg@shared" E8 ">=" 1.0
 done
 echo "(each round's ratios come from runs made one after the other; the value is their median)"
+
+# ---------------------------------------------------------------------------
+# Redis connections of the PostgreSQL server: CLIENT LIST in the middle of
+# a run of N sessions, less redis-cli's own
+
+connections() {
+	local clients=$1 mode=$2 pid n
+	PGOPTIONS="${PGOPTIONS:-} -c rl_redis.transport=$mode" pgbench -n -M prepared -T 4 \
+		-c "$clients" -j 2 -f "$work/fixed.sql" >/dev/null 2>&1 &
+	pid=$!
+	sleep 2.5
+	n=$(rcli CLIENT LIST | grep -vc 'cmd=client')
+	wait "$pid" || die "pgbench -c $clients ($mode) failed"
+	echo "$n"
+}
+echo
+echo "Redis connections of the PostgreSQL server while N sessions call rl_fixed_allow"
+printf '  %-10s %10s %10s\n' "sessions" "backend" "shared"
+for n in 8 100; do
+	printf '  %-10s %10s %10s\n' "$n" "$(connections "$n" backend)" "$(connections "$n" shared)"
+done
+echo "  (target for shared: 1, the number of Redis nodes, whatever the number of sessions;"
+echo "  backend: one per session, plus the worker's while it is open)"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) (after the runs)"
 if [ "$(md5sum <"$installed_so")" != "$so_sum" ]; then
 	echo "WARNING: $installed_so was replaced during the run (another make install?);"

@@ -80,7 +80,7 @@ rl_cluster_start() {
 		listen_addresses = '127.0.0.1'
 		unix_socket_directories = '$RL_DIR'
 		fsync = off
-		max_connections = 100
+		max_connections = 130
 		max_prepared_transactions = 10
 		wal_level = replica
 		max_wal_senders = 4
