@@ -65,3 +65,4 @@ bench:
 	bash sql_tests/bench_refund_memory.sh
 	bash sql_tests/bench_http.sh
 	bash sql_tests/bench_batch.sh
+	bash sql_tests/bench_deny_cache.sh

@@ -129,15 +129,20 @@ rl_deny_cache_usable(void)
 	return true;
 }
 
-/* The hash of a key and its limit: what an entry is found by. */
+/*
+ * The hash of a key, its limit and the server (a number that changes when
+ * the connection settings name another): what an entry is found by.
+ */
 static uint64
-rl_denial_hash(const char *key, size_t len, const RlLimit *limit)
+rl_denial_hash(const char *key, size_t len, const RlLimit *limit,
+			   uint64 server)
 {
 	uint64		h = hash_bytes_extended((const unsigned char *) key, len, 0);
-	char		sig[64];
+	char		sig[96];
 
-	snprintf(sig, sizeof(sig), "%s/%d/" INT64_FORMAT "/%d",
-			 limit->algorithm->name, limit->lim, limit->window_ms, limit->burst);
+	snprintf(sig, sizeof(sig), "%s/%d/" INT64_FORMAT "/%d/" UINT64_FORMAT,
+			 limit->algorithm->name, limit->lim, limit->window_ms, limit->burst,
+			 server);
 	return hash_combine64(h, hash_bytes_extended((const unsigned char *) sig,
 												 strlen(sig), 0));
 }
@@ -178,22 +183,25 @@ rl_denials(void)
 }
 
 /*
- * When a call on key under limit asking for cost units (> 0) would be
- * denied because a denial is remembered: fills d with that denial, its
- * times counted down to now, and returns true.
+ * When a call on key under limit (on server) asking for cost units (> 0)
+ * would be denied because a denial is remembered: fills d with that
+ * denial, its times counted down to now, and returns true. A cost above
+ * what the limit holds at once is left to Redis, which says it can never
+ * pass (retry_after_ms -1).
  */
 bool
 rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
-					 int32 cost, RlDecision *d)
+					 uint64 server, int32 cost, RlDecision *d)
 {
 	HTAB	   *table = rl_denials();
 	uint64		hash;
 	RlDenial   *e;
 	int64		now;
 
-	if (table == NULL || cost <= 0)
+	if (table == NULL || cost <= 0 ||
+		cost > (limit->burst > 0 ? limit->burst : limit->lim))
 		return false;
-	hash = rl_denial_hash(key, len, limit);
+	hash = rl_denial_hash(key, len, limit, server);
 	e = hash_search(table, &hash, HASH_FIND, NULL);
 	if (e == NULL)
 		return false;
@@ -218,21 +226,32 @@ rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
 }
 
 /*
- * Remembers the denial d of a call on key under limit asking for cost units,
- * sent at sent_ms (rl_deny_cache_now); a wait of -1 (never: more than the
- * limit holds) or 0 is not remembered.
+ * Remembers the denial d of a call on key under limit (on server) asking
+ * for cost units, sent at sent_ms (rl_deny_cache_now); a wait of -1 (never:
+ * more than the limit holds) or 0 is not remembered. An allowed call (or
+ * a peek) on a remembered key brings the entry's remaining up to date.
  */
 void
 rl_deny_cache_store(const char *key, size_t len, const RlLimit *limit,
-					int32 cost, const RlDecision *d, int64 sent_ms)
+					uint64 server, int32 cost, const RlDecision *d,
+					int64 sent_ms)
 {
 	HTAB	   *table = rl_denials();
 	uint64		hash;
 	RlDenial   *e;
 	bool		found;
 
-	if (table == NULL || cost <= 0 || d->allowed || !d->from_redis ||
-		d->retry_after_ms <= 0)
+	if (table == NULL || cost < 0 || !d->from_redis)
+		return;
+	if (d->allowed)
+	{
+		hash = rl_denial_hash(key, len, limit, server);
+		e = hash_search(table, &hash, HASH_FIND, NULL);
+		if (e != NULL)
+			e->remaining = d->remaining;
+		return;
+	}
+	if (cost == 0 || d->retry_after_ms <= 0)
 		return;
 	if (hash_get_num_entries(table) >= RL_DENY_CACHE_MAX)
 	{
@@ -248,7 +267,7 @@ rl_deny_cache_store(const char *key, size_t len, const RlLimit *limit,
 			rl_denials_clear();
 		table = denials;
 	}
-	hash = rl_denial_hash(key, len, limit);
+	hash = rl_denial_hash(key, len, limit, server);
 	e = hash_search(table, &hash, HASH_ENTER, &found);
 	e->until_ms = sent_ms + d->retry_after_ms;
 	e->reset_at_ms = d->reset_ms > 0 ? sent_ms + d->reset_ms : 0;
@@ -258,8 +277,10 @@ rl_deny_cache_store(const char *key, size_t len, const RlLimit *limit,
 }
 
 /*
- * Units came back, or keys were reset, through this server: every
- * backend's denials are forgotten. Only an atomic add: safe in a
+ * Units come back, or keys are reset, through this server: every backend's
+ * denials are forgotten. Called before the refund is sent and again once
+ * its reply came, so that a denial decided in between (on the state before
+ * the refund) is not kept either. Only an atomic add: safe in a
  * transaction callback.
  */
 void

@@ -680,7 +680,8 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	RlFailure	failure = {0};
 
 	/* a denial remembered here answers without Redis (deny_cache) */
-	if (rl_deny_cache_lookup(key->data, key->len, limit, cost, d))
+	if (rl_deny_cache_lookup(key->data, key->len, limit, rl_server_generation(),
+							 cost, d))
 	{
 		rl_stats_decided(key->data, key->len, d, cost, 0);
 		return;
@@ -722,14 +723,14 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	}
 	rl_stats_decided(key->data, key->len, d, cost,
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
+	if (cost < 0)
+		rl_deny_cache_forget(); /* the units are back now */
+	rl_deny_cache_store(key->data, key->len, limit, rl_server_generation(),
+						cost, d, sent_ms);
 	if (d->allowed && cost > 0)
 		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by);
-	else if (!d->allowed && cost > 0)
-	{
-		rl_deny_cache_store(key->data, key->len, limit, cost, d, sent_ms);
-		if (policy != NULL && rl_track_denials)
-			rl_note_denial(policy, identity);
-	}
+	else if (!d->allowed && cost > 0 && policy != NULL && rl_track_denials)
+		rl_note_denial(policy, identity);
 }
 
 /* the most keys one batch script call decides (it holds Redis meanwhile) */

@@ -442,11 +442,12 @@ typedef struct RlLimit RlLimit;
 extern void rl_deny_cache_init(void);
 extern int64 rl_deny_cache_now(void);
 extern bool rl_deny_cache_lookup(const char *key, size_t len,
-								 const RlLimit *limit, int32 cost,
-								 RlDecision *d);
+								 const RlLimit *limit, uint64 server,
+								 int32 cost, RlDecision *d);
 extern void rl_deny_cache_store(const char *key, size_t len,
-								const RlLimit *limit, int32 cost,
-								const RlDecision *d, int64 sent_ms);
+								const RlLimit *limit, uint64 server,
+								int32 cost, const RlDecision *d,
+								int64 sent_ms);
 extern void rl_deny_cache_forget(void);
 
 /*

@@ -1514,6 +1514,8 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 		}
 		conn->pending_replies--;
 		conn->queue_confirmed++;
+		/* a refund may have given units back: no remembered denial stays */
+		rl_deny_cache_forget();
 		if (reply->type == REDIS_REPLY_ERROR &&
 			rl_queue_redirect(conn, conn->queue_confirmed - 1, reply->str))
 			freeReplyObject(reply);
