@@ -373,7 +373,7 @@ extern redisReply *rl_shared_call(const RlScript *script, int argc,
 								  int keyarg, uint64 settings,
 								  RlFailure *failure, bool *used);
 extern bool rl_shared_defer(const RlDeferred *work, uint64 settings);
-extern uint64 rl_shared_worker_start(uint64 settings);
+extern void rl_shared_worker_start(uint64 settings);
 extern void rl_shared_worker_settings(uint64 settings);
 extern void rl_shared_worker_stop(void);
 extern int	rl_shared_slots(void);

@@ -19,8 +19,9 @@
  * A session that stops waiting (cancel, statement_timeout, its own wait
  * bound) frees a QUEUED slot (the call never left), or marks a TAKEN one
  * ABANDONED, which the worker frees when the reply comes: a reply is only
- * ever read by the session that asked, and each slot carries a ticket so
- * that a reused slot is never mistaken for the old call.
+ * ever read by the session that asked, and a slot it gave up is not its
+ * own any more (only the worker frees it), so no later call of that
+ * session can see the old reply.
  *
  * Work of a transaction end (refunds, slot releases) is handed over as
  * DEFERRED slots: the worker queues it on its own connection and nobody
@@ -73,7 +74,6 @@ typedef struct RlSlot
 {
 	slock_t		mutex;
 	RlSlotState state;
-	uint64		ticket;			/* changes with each use of the slot */
 	PGPROC	   *owner;			/* who waits for the reply */
 	uint64		worker_gen;		/* the worker that took it */
 	/* the call: a script (id) and its arguments after EVALSHA and the sha */
@@ -96,20 +96,26 @@ typedef struct RlSlot
 	char		reply[RL_SLOT_REPLY];	/* in the Redis protocol */
 } RlSlot;
 
-/* The queue. */
+/*
+ * The queue. The worker's fields are read without a lock by every call:
+ * worker_gen is 0 while no worker runs, else the number of the one
+ * running; worker_proc and worker_settings are written before it.
+ */
 typedef struct RlQueue
 {
-	slock_t		mutex;			/* for the worker fields and next_ticket */
-	pid_t		worker_pid;		/* 0 when no worker runs */
-	uint64		worker_gen;		/* counts the workers started */
+	pg_atomic_uint64 worker_gen;	/* 0: no worker runs */
+	pg_atomic_uint64 workers_started;
+	pg_atomic_uint64 worker_settings;	/* hash of its connection settings */
 	PGPROC	   *worker_proc;
-	uint64		worker_settings;	/* hash of its connection settings */
-	uint64		next_ticket;
 	int			nslots;
 	RlSlot		slots[FLEXIBLE_ARRAY_MEMBER];
 } RlQueue;
 
 static RlQueue *queue = NULL;
+
+/* the slot this session waits on, for its exit (a FATAL skips PG_CATCH) */
+static RlSlot *waiting_slot = NULL;
+static bool exit_registered = false;
 
 /* what this session logged once */
 static bool full_logged = false;
@@ -149,14 +155,14 @@ rl_queue_shmem_startup(void)
 	if (!found)
 	{
 		memset(queue, 0, offsetof(RlQueue, slots));
-		SpinLockInit(&queue->mutex);
+		pg_atomic_init_u64(&queue->worker_gen, 0);
+		pg_atomic_init_u64(&queue->workers_started, 0);
+		pg_atomic_init_u64(&queue->worker_settings, 0);
 		queue->nslots = rl_shared_queue_size;
-		queue->next_ticket = 1;
 		for (i = 0; i < queue->nslots; i++)
 		{
 			SpinLockInit(&queue->slots[i].mutex);
 			queue->slots[i].state = RL_SLOT_FREE;
-			queue->slots[i].ticket = 0;
 		}
 	}
 	LWLockRelease(AddinShmemInitLock);
@@ -174,34 +180,20 @@ rl_shared_queue_init(void)
 	shmem_startup_hook = rl_queue_shmem_startup;
 }
 
-/* A new ticket. */
-static uint64
-rl_next_ticket(void)
-{
-	uint64		t;
-
-	SpinLockAcquire(&queue->mutex);
-	t = queue->next_ticket++;
-	SpinLockRelease(&queue->mutex);
-	return t;
-}
-
 /*
- * The worker running now and its connection settings: false when none
- * runs.
+ * The worker running now (*gen its number, *settings the hash of its
+ * connection settings, *proc its process): false when none runs.
  */
 static bool
 rl_worker_running(uint64 *gen, uint64 *settings, PGPROC **proc)
 {
-	bool		running;
-
-	SpinLockAcquire(&queue->mutex);
-	running = queue->worker_pid != 0;
-	*gen = queue->worker_gen;
-	*settings = queue->worker_settings;
+	*gen = pg_atomic_read_u64(&queue->worker_gen);
+	if (*gen == 0)
+		return false;
+	pg_read_barrier();
+	*settings = pg_atomic_read_u64(&queue->worker_settings);
 	*proc = queue->worker_proc;
-	SpinLockRelease(&queue->mutex);
-	return running;
+	return true;
 }
 
 /* Claims a free slot (state FILLING, owner this session), or NULL. */
@@ -231,6 +223,32 @@ rl_claim_slot(void)
 	return NULL;
 }
 
+/*
+ * The session stops waiting on slot: a call not taken yet, or a result
+ * nobody will read, frees it; a call on its way is left to the worker,
+ * which frees it when its reply comes.
+ */
+static void
+rl_give_up_slot(RlSlot *slot)
+{
+	SpinLockAcquire(&slot->mutex);
+	if (slot->state == RL_SLOT_QUEUED || slot->state == RL_SLOT_DONE ||
+		slot->state == RL_SLOT_FILLING)
+		slot->state = RL_SLOT_FREE;
+	else if (slot->state == RL_SLOT_TAKEN)
+		slot->state = RL_SLOT_ABANDONED;
+	SpinLockRelease(&slot->mutex);
+	waiting_slot = NULL;
+}
+
+/* At the session's exit: the slot it waited on is given up. */
+static void
+rl_shared_session_exit(int code, Datum arg)
+{
+	if (waiting_slot != NULL)
+		rl_give_up_slot(waiting_slot);
+}
+
 /* Gives a claimed slot back unused. */
 static void
 rl_release_slot(RlSlot *slot)
@@ -238,16 +256,15 @@ rl_release_slot(RlSlot *slot)
 	SpinLockAcquire(&slot->mutex);
 	slot->state = RL_SLOT_FREE;
 	SpinLockRelease(&slot->mutex);
+	if (slot == waiting_slot)
+		waiting_slot = NULL;
 }
 
 /* Marks a filled slot queued (or deferred) and wakes the worker. */
 static void
 rl_enqueue(RlSlot *slot, RlSlotState state, PGPROC *worker)
 {
-	uint64		ticket = rl_next_ticket();
-
 	SpinLockAcquire(&slot->mutex);
-	slot->ticket = ticket;
 	slot->failed = false;
 	slot->reply_len = 0;
 	slot->state = state;
@@ -300,6 +317,76 @@ rl_slot_write_args(RlSlot *slot, int from, int argc, const char **argv,
 	return true;
 }
 
+/* How a session's wait for its slot ended. */
+typedef enum RlWaitEnd
+{
+	RL_WAIT_DONE,				/* the slot holds the result */
+	RL_WAIT_NOT_SENT,			/* the worker left: the session sends it */
+	RL_WAIT_TIMED_OUT			/* the slot was given up */
+} RlWaitEnd;
+
+/*
+ * Waits until the worker (number gen) has put the result of the call in
+ * slot, or the deadline passes, or the worker is gone before taking it.
+ * Interrupts are served (and raise) here.
+ */
+static RlWaitEnd
+rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
+{
+	for (;;)
+	{
+		RlSlotState state;
+		uint64		now_gen;
+		uint64		now_settings;
+		PGPROC	   *now_worker;
+		long		left;
+
+		SpinLockAcquire(&slot->mutex);
+		state = slot->state;
+		SpinLockRelease(&slot->mutex);
+		if (state == RL_SLOT_DONE)
+			return RL_WAIT_DONE;
+
+		/*
+		 * The worker that was to send it is gone: not taken yet, the
+		 * session sends it itself; taken, the exiting worker fails it (or
+		 * a new one took it), and the wait goes on.
+		 */
+		if (!rl_worker_running(&now_gen, &now_settings, &now_worker) ||
+			now_gen != gen)
+		{
+			SpinLockAcquire(&slot->mutex);
+			state = slot->state;
+			if (state == RL_SLOT_QUEUED)
+				slot->state = RL_SLOT_FREE;
+			SpinLockRelease(&slot->mutex);
+			if (state == RL_SLOT_QUEUED)
+				return RL_WAIT_NOT_SENT;
+			if (state == RL_SLOT_DONE)
+				return RL_WAIT_DONE;
+			if (now_gen != 0)
+				gen = now_gen;
+		}
+
+		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), deadline);
+		if (left <= 0)
+		{
+			SpinLockAcquire(&slot->mutex);
+			state = slot->state;
+			if (state == RL_SLOT_QUEUED)
+				slot->state = RL_SLOT_FREE;
+			else if (state != RL_SLOT_DONE)
+				slot->state = RL_SLOT_ABANDONED;
+			SpinLockRelease(&slot->mutex);
+			return state == RL_SLOT_DONE ? RL_WAIT_DONE : RL_WAIT_TIMED_OUT;
+		}
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 Min(left, RL_WORKER_CHECK_MS), PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+		CHECK_FOR_INTERRUPTS();
+	}
+}
+
 /*
  * Sends a script call through the worker and returns its reply (the caller
  * frees it with freeReplyObject; it may be an error reply), or NULL with
@@ -320,18 +407,23 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 	RlSlot	   *slot;
 	PGPROC	   *worker;
 	uint64		gen;
-	uint64		ticket PG_USED_FOR_ASSERTS_ONLY;
-	TimestampTz deadline;
 	int			wait_ms = rl_connect_timeout +
 		(rl_command_timeout > 0 ? rl_command_timeout : 60000);
+	TimestampTz deadline;
+	volatile RlWaitEnd end = RL_WAIT_TIMED_OUT;
 	redisReader *reader;
 	void	   *reply = NULL;
-	volatile bool done = false;
 
 	*used = false;
 	if (!rl_shared_usable(settings, &gen, &worker))
 		return NULL;
+	if (!exit_registered)
+	{
+		before_shmem_exit(rl_shared_session_exit, (Datum) 0);
+		exit_registered = true;
+	}
 	slot = rl_claim_slot();
+	waiting_slot = slot;
 	if (slot == NULL)
 	{
 		if (!full_logged)
@@ -355,91 +447,37 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 		return NULL;
 	}
 	rl_enqueue(slot, RL_SLOT_QUEUED, worker);
-	ticket = slot->ticket;
-	*used = true;
 
 	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), wait_ms);
 	PG_TRY();
 	{
-		for (;;)
-		{
-			RlSlotState state;
-			uint64		now_gen;
-			uint64		now_settings;
-			PGPROC	   *now_worker;
-			long		left;
-
-			SpinLockAcquire(&slot->mutex);
-			Assert(slot->ticket == ticket);
-			state = slot->state;
-			SpinLockRelease(&slot->mutex);
-			if (state == RL_SLOT_DONE)
-				break;
-
-			/* the worker that was to send it is gone */
-			if (!rl_worker_running(&now_gen, &now_settings, &now_worker) ||
-				now_gen != gen)
-			{
-				SpinLockAcquire(&slot->mutex);
-				state = slot->state;
-				if (state == RL_SLOT_QUEUED)
-					slot->state = RL_SLOT_FREE;
-				SpinLockRelease(&slot->mutex);
-				if (state == RL_SLOT_QUEUED)
-				{
-					/* it never left: the session sends it itself */
-					*used = false;
-					done = true;
-					break;
-				}
-				if (state == RL_SLOT_DONE)
-					break;
-				/* taken: the exiting worker fails it, or a new one */
-				if (now_gen != gen && now_worker != NULL)
-					gen = now_gen;
-			}
-
-			left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), deadline);
-			if (left <= 0)
-			{
-				SpinLockAcquire(&slot->mutex);
-				state = slot->state;
-				if (state == RL_SLOT_QUEUED)
-					slot->state = RL_SLOT_FREE;
-				else if (state != RL_SLOT_DONE)
-					slot->state = RL_SLOT_ABANDONED;
-				SpinLockRelease(&slot->mutex);
-				if (state == RL_SLOT_DONE)
-					break;
-				failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-				failure->first_in_outage = true;
-				failure->breaker_opened = false;
-				snprintf(failure->message, sizeof(failure->message),
-						 "timed out after %d ms waiting for the rl_redis worker's reply from Redis",
-						 wait_ms);
-				done = true;
-				break;
-			}
-			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 Min(left, RL_WORKER_CHECK_MS), PG_WAIT_EXTENSION);
-			ResetLatch(MyLatch);
-			CHECK_FOR_INTERRUPTS();
-		}
+		end = rl_shared_wait(slot, gen, deadline);
 	}
 	PG_CATCH();
 	{
 		/* an interrupt: the reply, if it comes, is not ours to read */
-		SpinLockAcquire(&slot->mutex);
-		if (slot->state == RL_SLOT_QUEUED || slot->state == RL_SLOT_DONE)
-			slot->state = RL_SLOT_FREE;
-		else if (slot->state == RL_SLOT_TAKEN)
-			slot->state = RL_SLOT_ABANDONED;
-		SpinLockRelease(&slot->mutex);
+		rl_give_up_slot(slot);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
-	if (done)
+
+	if (end == RL_WAIT_NOT_SENT)
+	{
+		waiting_slot = NULL;	/* freed by rl_shared_wait */
+		return NULL;			/* *used false: the session sends it */
+	}
+	*used = true;
+	if (end == RL_WAIT_TIMED_OUT)
+	{
+		waiting_slot = NULL;	/* given up by rl_shared_wait */
+		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+		failure->first_in_outage = true;
+		failure->breaker_opened = false;
+		snprintf(failure->message, sizeof(failure->message),
+				 "timed out after %d ms waiting for the rl_redis worker's reply from Redis",
+				 wait_ms);
 		return NULL;
+	}
 
 	/* DONE: the slot is ours until it is freed */
 	if (slot->failed)
@@ -501,30 +539,24 @@ rl_shared_defer(const RlDeferred *work, uint64 settings)
 }
 
 /*
- * The worker starts: records its process, generation and connection
- * settings (rl_settings_hash). Returns its generation.
+ * The worker starts: records its process and connection settings
+ * (rl_settings_hash), then its number, which tells the sessions it runs.
  */
-uint64
+void
 rl_shared_worker_start(uint64 settings)
 {
-	uint64		gen;
-
-	SpinLockAcquire(&queue->mutex);
-	queue->worker_pid = MyProcPid;
 	queue->worker_proc = MyProc;
-	queue->worker_settings = settings;
-	gen = ++queue->worker_gen;
-	SpinLockRelease(&queue->mutex);
-	return gen;
+	pg_atomic_write_u64(&queue->worker_settings, settings);
+	pg_write_barrier();
+	pg_atomic_write_u64(&queue->worker_gen,
+						pg_atomic_add_fetch_u64(&queue->workers_started, 1));
 }
 
 /* The worker's connection settings changed (a reload). */
 void
 rl_shared_worker_settings(uint64 settings)
 {
-	SpinLockAcquire(&queue->mutex);
-	queue->worker_settings = settings;
-	SpinLockRelease(&queue->mutex);
+	pg_atomic_write_u64(&queue->worker_settings, settings);
 }
 
 /*
@@ -536,10 +568,7 @@ rl_shared_worker_stop(void)
 {
 	int			i;
 
-	SpinLockAcquire(&queue->mutex);
-	queue->worker_pid = 0;
-	queue->worker_proc = NULL;
-	SpinLockRelease(&queue->mutex);
+	pg_atomic_write_u64(&queue->worker_gen, 0);
 	for (i = 0; i < queue->nslots; i++)
 	{
 		RlSlot	   *slot = &queue->slots[i];

@@ -147,7 +147,7 @@ rl_worker_main(Datum arg)
 	pgstat_report_appname("rl_redis worker");
 
 	before_shmem_exit(rl_worker_exit, (Datum) 0);
-	(void) rl_shared_worker_start(rl_settings_hash());
+	rl_shared_worker_start(rl_settings_hash());
 	ereport(LOG,
 			(errmsg("rl_redis worker started with %d queue slots",
 					rl_shared_slots())));
