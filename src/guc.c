@@ -666,7 +666,7 @@ rl_define_gucs(void)
 	if (process_shared_preload_libraries_in_progress)
 		DefineCustomIntVariable("rl_redis.shared_queue_size",
 								"The number of calls the shared queue of rl_redis.transport = shared holds at once.",
-								"Each slot takes about 10 kB of shared memory.",
+								"Each slot takes about 13 kB of shared memory.",
 								&rl_shared_queue_size,
 								256, 16, 8192,
 								PGC_POSTMASTER,

@@ -367,6 +367,10 @@ typedef struct RlCall
 extern void rl_call_many(RlCall *calls, int n);
 
 /* the shared queue of rl_redis.transport = shared (shared_queue.c) */
+
+/* the largest reply a slot of the queue holds (the Redis protocol) */
+#define RL_SHARED_REPLY_MAX 4096
+
 extern void rl_shared_queue_init(void);
 extern redisReply *rl_shared_call(const RlScript *script, int argc,
 								  const char **argv, const size_t *argvlen,
@@ -377,7 +381,10 @@ extern void rl_shared_worker_start(uint64 settings);
 extern void rl_shared_worker_settings(uint64 settings);
 extern void rl_shared_worker_stop(void);
 extern int	rl_shared_slots(void);
-extern int	rl_shared_take(int i, RlCall *call, RlDeferred *work);
+extern void rl_shared_defer_wait(TimestampTz deadline);
+extern int	rl_shared_take(int i, RlCall *call, int *script_id,
+						   RlDeferred *work);
+extern void rl_shared_deferred_done(int i);
 extern void rl_shared_complete(int i, const redisReply *reply,
 							   const RlFailure *failure);
 

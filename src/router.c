@@ -56,6 +56,14 @@
  */
 #define RL_SENTINEL_RECHECK_MS 1000
 
+/*
+ * The most keys of a several-limits call sent through the shared queue:
+ * its reply of (6 + 2 * keys) numbers fits RL_SHARED_REPLY_MAX.
+ */
+#define RL_SHARED_MANY_KEYS 64
+StaticAssertDecl((6 + 2 * RL_SHARED_MANY_KEYS) * 23 + 16 <= RL_SHARED_REPLY_MAX,
+				 "the reply of a several-limits call fits the shared queue");
+
 /* the most distinct nodes a backend keeps (a lying server names more) */
 #define RL_MAX_NODES 1024
 
@@ -771,6 +779,25 @@ rl_pause(long ms)
 }
 
 /*
+ * True when the reply of script, called with argv, surely fits a slot of
+ * the shared queue (RL_SHARED_REPLY_MAX bytes), which the worker can only
+ * learn once the call has run: the scripts of one decision, of a
+ * concurrency slot and of a denial count, and the several-limits script of
+ * at most RL_SHARED_MANY_KEYS keys (6 + 2 numbers per key, 23 bytes at
+ * most each). The others (a statement guard over many keys,
+ * rl_top_denied) go on the session's own connection.
+ */
+static bool
+rl_shared_reply_fits(const RlScript *script, const char **argv)
+{
+	if (script->id < RL_NUM_ALGORITHMS || script == &rl_script_concurrency ||
+		script == &rl_script_denial_note)
+		return true;
+	return script == &rl_script_check_all &&
+		atoi(argv[RL_SCRIPT_ARGV_RESERVED]) <= RL_SHARED_MANY_KEYS;
+}
+
+/*
  * Sends a call on key and returns its reply (the caller frees it; it may be
  * an error reply), with *connp the connection that answered; NULL with
  * failure filled in when no answer came. With script, runs it (argv[0] and
@@ -799,7 +826,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 	 * session's own connection has transaction-end work to send first.
 	 */
 	if (script != NULL && rl_transport == RL_TRANSPORT_SHARED &&
-		rl_mode == RL_MODE_STANDALONE)
+		rl_mode == RL_MODE_STANDALONE && rl_shared_reply_fits(script, argv))
 	{
 		RlConn	   *own = rl_conn_get();
 		bool		used = false;

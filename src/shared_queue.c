@@ -24,8 +24,12 @@
  * session can see the old reply.
  *
  * Work of a transaction end (refunds, slot releases) is handed over as
- * DEFERRED slots: the worker queues it on its own connection and nobody
- * waits (handing over never waits: a transaction end must not).
+ * DEFERRED slots: the worker queues it on its own connection, sends it and
+ * marks the slot DONE; the session waits for that within the transaction
+ * end's budget (interrupts are held there: only the budget bounds it), so
+ * that another session sees a released slot once COMMIT returns, as with
+ * the session's own connection. A slot whose session stopped waiting is
+ * freed by the worker.
  *
  * A session uses its own connection instead (rl_shared_call says so) when
  * the worker is not running, when its connection settings differ from the
@@ -53,7 +57,7 @@
 
 /* the most bytes of a call's arguments and of its reply that a slot holds */
 #define RL_SLOT_REQUEST 8192
-#define RL_SLOT_REPLY 2048
+#define RL_SLOT_REPLY RL_SHARED_REPLY_MAX
 
 /* how often a waiting session checks that the worker still runs */
 #define RL_WORKER_CHECK_MS 100
@@ -66,7 +70,7 @@ typedef enum RlSlotState
 	RL_SLOT_TAKEN,
 	RL_SLOT_DONE,
 	RL_SLOT_ABANDONED,
-	RL_SLOT_DEFERRED			/* transaction-end work: nobody waits */
+	RL_SLOT_DEFERRED			/* transaction-end work, not taken yet */
 } RlSlotState;
 
 /* One call in the queue. */
@@ -75,6 +79,8 @@ typedef struct RlSlot
 	slock_t		mutex;
 	RlSlotState state;
 	PGPROC	   *owner;			/* who waits for the reply */
+	bool		deferred;		/* transaction-end work */
+	bool		waiter;			/* of deferred work: its session waits */
 	uint64		worker_gen;		/* the worker that took it */
 	/* the call: a script (id) and its arguments after EVALSHA and the sha */
 	int			script_id;
@@ -215,6 +221,8 @@ rl_claim_slot(void)
 		{
 			slot->state = RL_SLOT_FILLING;
 			slot->owner = MyProc;
+			slot->deferred = false;
+			slot->waiter = false;
 			SpinLockRelease(&slot->mutex);
 			return slot;
 		}
@@ -241,12 +249,50 @@ rl_give_up_slot(RlSlot *slot)
 	waiting_slot = NULL;
 }
 
-/* At the session's exit: the slot it waited on is given up. */
+/*
+ * The session stops waiting for its deferred work: done slots are freed,
+ * the others the worker frees when it is done with them.
+ */
+static void
+rl_give_up_deferred(void)
+{
+	int			i;
+
+	for (i = 0; i < queue->nslots; i++)
+	{
+		RlSlot	   *slot = &queue->slots[i];
+
+		if (slot->owner != MyProc || !slot->deferred)
+			continue;
+		SpinLockAcquire(&slot->mutex);
+		if (slot->owner == MyProc && slot->deferred && slot->waiter)
+		{
+			if (slot->state == RL_SLOT_DONE)
+				slot->state = RL_SLOT_FREE;
+			else
+				slot->waiter = false;
+		}
+		SpinLockRelease(&slot->mutex);
+	}
+}
+
+/* At the session's exit: the slots it waited on are given up. */
 static void
 rl_shared_session_exit(int code, Datum arg)
 {
 	if (waiting_slot != NULL)
 		rl_give_up_slot(waiting_slot);
+	rl_give_up_deferred();
+}
+
+/* Makes the session's exit give up its slots (once per session). */
+static void
+rl_register_session_exit(void)
+{
+	if (exit_registered)
+		return;
+	before_shmem_exit(rl_shared_session_exit, (Datum) 0);
+	exit_registered = true;
 }
 
 /* Gives a claimed slot back unused. */
@@ -417,11 +463,7 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 	*used = false;
 	if (!rl_shared_usable(settings, &gen, &worker))
 		return NULL;
-	if (!exit_registered)
-	{
-		before_shmem_exit(rl_shared_session_exit, (Datum) 0);
-		exit_registered = true;
-	}
+	rl_register_session_exit();
 	slot = rl_claim_slot();
 	waiting_slot = slot;
 	if (slot == NULL)
@@ -508,9 +550,9 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 
 /*
  * Hands work of a transaction end (one command, for the server at
- * work->host:port) to the worker, which queues it on its own connection;
- * true when it was taken. Never waits and never raises: for transaction
- * ends.
+ * work->host:port) to the worker, which sends it on its own connection;
+ * true when it was taken (rl_shared_defer_wait then waits for it). Never
+ * waits and never raises: for transaction ends.
  */
 bool
 rl_shared_defer(const RlDeferred *work, uint64 settings)
@@ -522,9 +564,12 @@ rl_shared_defer(const RlDeferred *work, uint64 settings)
 	if (!rl_shared_usable(settings, &gen, &worker) ||
 		work->len > RL_SLOT_REQUEST || strlen(work->host) >= RL_ADDRESS_LEN)
 		return false;
+	rl_register_session_exit();
 	slot = rl_claim_slot();
 	if (slot == NULL)
 		return false;
+	slot->deferred = true;
+	slot->waiter = true;
 	strlcpy(slot->host, work->host, RL_ADDRESS_LEN);
 	slot->port = work->port;
 	slot->idempotent = work->idempotent;
@@ -536,6 +581,51 @@ rl_shared_defer(const RlDeferred *work, uint64 settings)
 	slot->argc = 0;
 	rl_enqueue(slot, RL_SLOT_DEFERRED, worker);
 	return true;
+}
+
+/*
+ * Waits until the worker has sent the work this session handed over
+ * (rl_shared_defer) and read its replies, or the deadline passes (then the
+ * worker finishes it alone). For transaction ends: interrupts may be held,
+ * so the deadline is the only bound; never raises.
+ */
+void
+rl_shared_defer_wait(TimestampTz deadline)
+{
+	for (;;)
+	{
+		int			pending = 0;
+		int			i;
+		long		left;
+
+		for (i = 0; i < queue->nslots; i++)
+		{
+			RlSlot	   *slot = &queue->slots[i];
+
+			if (slot->owner != MyProc || !slot->deferred)
+				continue;
+			SpinLockAcquire(&slot->mutex);
+			if (slot->owner == MyProc && slot->deferred && slot->waiter)
+			{
+				if (slot->state == RL_SLOT_DONE)
+					slot->state = RL_SLOT_FREE;
+				else
+					pending++;
+			}
+			SpinLockRelease(&slot->mutex);
+		}
+		if (pending == 0)
+			return;
+		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), deadline);
+		if (left <= 0)
+		{
+			rl_give_up_deferred();
+			return;
+		}
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 left, PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+	}
 }
 
 /*
@@ -575,7 +665,18 @@ rl_shared_worker_stop(void)
 		PGPROC	   *owner = NULL;
 
 		SpinLockAcquire(&slot->mutex);
-		if (slot->state == RL_SLOT_TAKEN)
+		if (slot->state == RL_SLOT_TAKEN && slot->deferred)
+		{
+			/* its work is in the worker's queue, sent as the worker exits */
+			if (slot->waiter)
+			{
+				slot->state = RL_SLOT_DONE;
+				owner = slot->owner;
+			}
+			else
+				slot->state = RL_SLOT_FREE;
+		}
+		else if (slot->state == RL_SLOT_TAKEN)
 		{
 			slot->failed = true;
 			slot->failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
@@ -602,14 +703,15 @@ rl_shared_slots(void)
 }
 
 /*
- * The worker takes the slot i when it is queued or deferred: a call
- * (state TAKEN) is copied into *call (its arguments palloc'd, argv[0..1]
- * left for the script) and 1 returned; deferred work is copied into *work
- * (host and encoded palloc'd), the slot freed at once, and 2 returned; 0
- * when there is nothing to take.
+ * The worker takes the slot i when it is queued or deferred (state TAKEN):
+ * a call is copied into *call (its arguments palloc'd, argv[0..1] left for
+ * the script, whose id is put in *script_id) and 1 returned; deferred work
+ * is copied into *work (host and encoded palloc'd) and 2 returned (the
+ * worker calls rl_shared_deferred_done once it is sent); 0 when there is
+ * nothing to take.
  */
 int
-rl_shared_take(int i, RlCall *call, RlDeferred *work)
+rl_shared_take(int i, RlCall *call, int *script_id, RlDeferred *work)
 {
 	RlSlot	   *slot = &queue->slots[i];
 	RlSlotState state = slot->state;
@@ -625,13 +727,13 @@ rl_shared_take(int i, RlCall *call, RlDeferred *work)
 		return 0;
 	SpinLockAcquire(&slot->mutex);
 	state = slot->state;
-	if (state == RL_SLOT_QUEUED)
+	if (state == RL_SLOT_QUEUED || state == RL_SLOT_DEFERRED)
 		slot->state = RL_SLOT_TAKEN;
 	SpinLockRelease(&slot->mutex);
 
+	/* TAKEN: the session no longer writes it */
 	if (state == RL_SLOT_DEFERRED)
 	{
-		/* a DEFERRED slot is the worker's alone: copy, then free it */
 		work->host = pstrdup(slot->host);
 		work->port = slot->port;
 		work->idempotent = slot->idempotent;
@@ -642,13 +744,11 @@ rl_shared_take(int i, RlCall *call, RlDeferred *work)
 		copy = palloc(Max(work->len, 1));
 		memcpy(copy, slot->request, work->len);
 		work->encoded = copy;
-		rl_release_slot(slot);
 		return 2;
 	}
 	if (state != RL_SLOT_QUEUED)
 		return 0;
 
-	/* TAKEN: the session no longer writes it */
 	argc = RL_SCRIPT_ARGV_RESERVED + slot->argc;
 	argv = palloc(sizeof(char *) * argc);
 	argvlen = palloc(sizeof(size_t) * argc);
@@ -664,13 +764,36 @@ rl_shared_take(int i, RlCall *call, RlDeferred *work)
 		off += sizeof(uint32) + n;
 	}
 	memset(call, 0, sizeof(RlCall));
-	call->script = rl_script_by_id(slot->script_id);
+	*script_id = slot->script_id;
 	call->argc = argc;
 	call->argv = argv;
 	call->argvlen = argvlen;
 	call->key = argv[RL_SCRIPT_ARGV_RESERVED + slot->keyarg];
 	call->keylen = argvlen[RL_SCRIPT_ARGV_RESERVED + slot->keyarg];
 	return 1;
+}
+
+/*
+ * The worker sent the deferred work it took from slot i (and read its
+ * replies, when Redis answered): its session, if it still waits, is told.
+ */
+void
+rl_shared_deferred_done(int i)
+{
+	RlSlot	   *slot = &queue->slots[i];
+	PGPROC	   *owner = NULL;
+
+	SpinLockAcquire(&slot->mutex);
+	if (slot->state == RL_SLOT_TAKEN && slot->waiter)
+	{
+		slot->state = RL_SLOT_DONE;
+		owner = slot->owner;
+	}
+	else if (slot->state == RL_SLOT_TAKEN)
+		slot->state = RL_SLOT_FREE;
+	SpinLockRelease(&slot->mutex);
+	if (owner != NULL)
+		SetLatch(&owner->procLatch);
 }
 
 /* Appends reply, encoded in the Redis protocol, to buf. */

@@ -1684,10 +1684,11 @@ rl_split_eval(const char *cmd, size_t len, const char **body, size_t *bodylen,
  * open: hands the queue's commands not on their way yet to the worker,
  * which sends them on its connection (an EVAL as the hash of its script
  * and its arguments: the script is too large for the queue, and the worker
- * has it too). True when none is left. Never waits.
+ * has it too), and waits until deadline for the worker to have sent them.
+ * True when none is left. Never raises.
  */
 static bool
-rl_conn_hand_to_worker(RlConn *conn)
+rl_conn_hand_to_worker(RlConn *conn, TimestampTz deadline)
 {
 	uint64		settings;
 
@@ -1724,10 +1725,11 @@ rl_conn_hand_to_worker(RlConn *conn)
 												   bodylen, 0);
 		}
 		if (!rl_shared_defer(&work, settings))
-			return false;
+			break;
 		rl_queue_remove(conn, 0, 1);
 	}
-	return true;
+	rl_shared_defer_wait(deadline);
+	return conn->queue_count == 0;
 }
 
 /*
@@ -1776,7 +1778,7 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 		(conn->shut || !rl_connection_alive(conn)))
 		rl_disconnect(conn);
 	if ((!conn->ready || conn->sock == PGINVALID_SOCKET) &&
-		rl_conn_hand_to_worker(conn))
+		rl_conn_hand_to_worker(conn, deadline))
 		return;
 	if (!conn->ready || conn->sock == PGINVALID_SOCKET)
 	{

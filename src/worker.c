@@ -71,25 +71,30 @@ rl_worker_exit(int code, Datum arg)
 
 /*
  * Takes every queued call and transaction-end work from the queue, sends
- * the calls (pipelined) and hands their results back. Returns how many
- * calls it sent; *deferred says whether work of transaction ends came.
+ * the calls (pipelined, the transaction-end work first on the same
+ * connection) and hands their results back, and tells the sessions that
+ * handed work over that it was sent. Returns how many slots it took.
+ * calls and slots have room for every slot of the queue.
  */
 static int
-rl_worker_round(RlCall *calls, int *slots, bool *deferred)
+rl_worker_round(RlCall *calls, int *slots)
 {
 	int			nslots = rl_shared_slots();
+	int		   *done = palloc(sizeof(int) * Max(nslots, 1));
+	int			ndone = 0;
 	int			n = 0;
 	int			i;
 
-	*deferred = false;
 	for (i = 0; i < nslots; i++)
 	{
 		RlDeferred	work;
 		const RlScript *script = NULL;
+		int			script_id;
 
-		switch (rl_shared_take(i, &calls[n], &work))
+		switch (rl_shared_take(i, &calls[n], &script_id, &work))
 		{
 			case 1:
+				calls[n].script = rl_script_by_id(script_id);
 				if (calls[n].script == NULL)
 				{
 					RlFailure	failure = {0};
@@ -105,14 +110,12 @@ rl_worker_round(RlCall *calls, int *slots, bool *deferred)
 			case 2:
 				if (work.script_len > 0 &&
 					(script = rl_script_by_text(work.script_len, work.script_hash)) == NULL)
-				{
 					ereport(LOG,
 							(errmsg("rl_redis worker: dropped transaction-end work for an unknown script")));
-					break;
-				}
-				rl_conn_defer_handed(rl_conn_at(work.host, work.port, RL_CONN_SERVER),
-									 &work, script ? script->body : NULL);
-				*deferred = true;
+				else
+					rl_conn_defer_handed(rl_conn_at(work.host, work.port, RL_CONN_SERVER),
+										 &work, script ? script->body : NULL);
+				done[ndone++] = i;
 				break;
 			default:
 				break;
@@ -120,6 +123,7 @@ rl_worker_round(RlCall *calls, int *slots, bool *deferred)
 	}
 	if (n > 0)
 	{
+		/* each connection sends its queued work before the calls */
 		rl_call_many(calls, n);
 		for (i = 0; i < n; i++)
 		{
@@ -129,7 +133,14 @@ rl_worker_round(RlCall *calls, int *slots, bool *deferred)
 			calls[i].reply = NULL;
 		}
 	}
-	return n;
+	if (ndone > 0)
+	{
+		/* what no call carried goes now (and its replies are read) */
+		rl_send_queued(NULL);
+		for (i = 0; i < ndone; i++)
+			rl_shared_deferred_done(done[i]);
+	}
+	return n + ndone;
 }
 
 /* The worker's main loop. */
@@ -159,8 +170,7 @@ rl_worker_main(Datum arg)
 	for (;;)
 	{
 		MemoryContext old;
-		bool		deferred;
-		int			sent;
+		int			taken;
 
 		/* reset first: a call queued from here on sets it again */
 		ResetLatch(MyLatch);
@@ -174,12 +184,9 @@ rl_worker_main(Datum arg)
 
 		MemoryContextReset(round_cxt);
 		old = MemoryContextSwitchTo(round_cxt);
-		sent = rl_worker_round(calls, slots, &deferred);
-		/* transaction-end work alone: sent now, not with the next call */
-		if (deferred && sent == 0)
-			rl_send_queued(NULL);
+		taken = rl_worker_round(calls, slots);
 		MemoryContextSwitchTo(old);
-		if (sent > 0 || deferred)
+		if (taken > 0)
 		{
 			last_used = GetCurrentTimestamp();
 			continue;			/* more may have come meanwhile */
