@@ -77,7 +77,7 @@ rl_queue_release(RlSlot *slot)
 				(errmsg("a concurrency slot could not be given back: the Redis node of its key is not known"),
 				 errdetail("It is freed when its lease ends.")));
 	else
-		rl_defer_command(conn, 3, argv, argvlen, true);
+		rl_defer_command(conn, 3, argv, argvlen, RL_QUEUED_IDEMPOTENT);
 }
 
 /*

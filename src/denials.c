@@ -24,6 +24,9 @@
 /* the longest identity counted as it is */
 #define RL_DENIAL_IDENTITY 128
 
+/* the most identities one script call counts (about 1 ms of Redis) */
+#define RL_DENIAL_CALL 500
+
 /* whether the last failure to count a denial was logged */
 static bool note_failed = false;
 
@@ -46,27 +49,52 @@ rl_denials_key(StringInfo buf, const char *policy, int64 minute)
 					 minute);
 }
 
+/* A member of a denial count: its bytes in a shared buffer. */
+typedef struct RlDenialMember
+{
+	int			off;
+	int			len;
+} RlDenialMember;
+
+/* the buffer RlDenialMember offsets point into, for the qsort comparator */
+static const char *members_data;
+
+/* qsort order of RlDenialMember: by bytes, then length */
+static int
+rl_member_cmp(const void *a, const void *b)
+{
+	const RlDenialMember *x = (const RlDenialMember *) a;
+	const RlDenialMember *y = (const RlDenialMember *) b;
+	int			c = memcmp(members_data + x->off, members_data + y->off,
+						   Min(x->len, y->len));
+
+	return c != 0 ? c : (x->len > y->len) - (x->len < y->len);
+}
+
 /*
  * Counts a denial of each of n identities under policy
- * (rl_redis.track_denials), in one script call. Never raises for Redis's
- * sake (an interrupt still ends the wait).
+ * (rl_redis.track_denials): the same identity given several times is
+ * counted as many, in one increment; at most RL_DENIAL_CALL identities go
+ * in one script call, so that none holds Redis long. Never raises for
+ * Redis's sake (an interrupt still ends the wait).
  */
 void
 rl_note_denials(const char *policy, text **identities, int n)
 {
 	StringInfoData key;
 	StringInfoData members;
-	int		   *ends = palloc(sizeof(int) * n);
+	RlDenialMember *m = palloc(sizeof(RlDenialMember) * Max(n, 1));
+	int		   *counts = palloc(sizeof(int) * Max(n, 1));
+	int			nm = 0;
 	int64		minute = rl_denial_minute();
-	int			argc = RL_SCRIPT_ARGV_RESERVED + 4 + n;
-	const char **argv = palloc(sizeof(char *) * argc);
-	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
 	char		minute_s[24],
 				now_s[24];
-	RlConn	   *conn;
-	RlFailure	failure = {0};
-	redisReply *reply;
+	char	   *count_s = palloc(16 * Max(Min(n, RL_DENIAL_CALL), 1));
+	int			argmax = RL_SCRIPT_ARGV_RESERVED + 4 + 2 * Min(n, RL_DENIAL_CALL);
+	const char **argv = palloc(sizeof(char *) * argmax);
+	size_t	   *argvlen = palloc(sizeof(size_t) * argmax);
 	int			i;
+	int			from;
 
 	initStringInfo(&key);
 	rl_denials_key(&key, policy, minute);
@@ -77,6 +105,7 @@ rl_note_denials(const char *policy, text **identities, int n)
 		const char *id = VARDATA_ANY(identities[i]);
 		int			len = VARSIZE_ANY_EXHDR(identities[i]);
 
+		m[i].off = members.len;
 		if (len <= RL_DENIAL_IDENTITY)
 			appendBinaryStringInfo(&members, id, len);
 		else
@@ -87,47 +116,70 @@ rl_note_denials(const char *policy, text **identities, int n)
 							 (unsigned long long) hash_bytes_extended((const unsigned char *) id,
 																	  len, 0));
 		}
-		ends[i] = members.len;
+		m[i].len = members.len - m[i].off;
 	}
-	argv[2] = "1";
-	argvlen[2] = 1;
-	argv[3] = key.data;
-	argvlen[3] = key.len;
-	argv[4] = minute_s;
-	argvlen[4] = pg_lltoa(minute, minute_s);
-	argv[5] = now_s;
-	argvlen[5] = rl_clock_arg(now_s);
+	/* each identity once, with its count */
+	members_data = members.data;
+	qsort(m, n, sizeof(RlDenialMember), rl_member_cmp);
 	for (i = 0; i < n; i++)
 	{
-		int			from = i == 0 ? 0 : ends[i - 1];
+		if (nm > 0 && rl_member_cmp(&m[nm - 1], &m[i]) == 0)
+			counts[nm - 1]++;
+		else
+		{
+			m[nm] = m[i];
+			counts[nm++] = 1;
+		}
+	}
 
-		argv[6 + i] = members.data + from;
-		argvlen[6 + i] = ends[i] - from;
-	}
-	reply = rl_call(key.data, key.len, &rl_script_denial_note, argc, argv,
-					argvlen, &conn, &failure);
-	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
+	for (from = 0; from < nm; from += RL_DENIAL_CALL)
 	{
-		rl_error_reply(conn, reply, &failure);
-		reply = NULL;
-	}
-	if (reply == NULL)
-	{
-		if (!note_failed)
-			ereport(WARNING,
-					(errcode(failure.sqlerrcode),
-					 errmsg("could not count a denial of policy \"%s\" for rl_top_denied", policy),
-					 errdetail_internal("%s", failure.message)));
-		note_failed = true;
-	}
-	else
-	{
+		int			k = Min(nm - from, RL_DENIAL_CALL);
+		int			argc = RL_SCRIPT_ARGV_RESERVED + 4 + 2 * k;
+		RlConn	   *conn;
+		RlFailure	failure = {0};
+		redisReply *reply;
+
+		argv[2] = "1";
+		argvlen[2] = 1;
+		argv[3] = key.data;
+		argvlen[3] = key.len;
+		argv[4] = minute_s;
+		argvlen[4] = pg_lltoa(minute, minute_s);
+		argv[5] = now_s;
+		argvlen[5] = rl_clock_arg(now_s);
+		for (i = 0; i < k; i++)
+		{
+			argv[6 + 2 * i] = members.data + m[from + i].off;
+			argvlen[6 + 2 * i] = m[from + i].len;
+			argv[7 + 2 * i] = count_s + 16 * i;
+			argvlen[7 + 2 * i] = pg_ltoa(counts[from + i], count_s + 16 * i);
+		}
+		reply = rl_call(key.data, key.len, &rl_script_denial_note, argc, argv,
+						argvlen, &conn, &failure);
+		if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
+		{
+			rl_error_reply(conn, reply, &failure);
+			reply = NULL;
+		}
+		if (reply == NULL)
+		{
+			if (!note_failed)
+				ereport(WARNING,
+						(errcode(failure.sqlerrcode),
+						 errmsg("could not count a denial of policy \"%s\" for rl_top_denied", policy),
+						 errdetail_internal("%s", failure.message)));
+			note_failed = true;
+			break;
+		}
 		note_failed = false;
 		freeReplyObject(reply);
 	}
 	pfree(key.data);
 	pfree(members.data);
-	pfree(ends);
+	pfree(m);
+	pfree(counts);
+	pfree(count_s);
 	pfree(argv);
 	pfree(argvlen);
 }

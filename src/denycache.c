@@ -2,8 +2,8 @@
  * denycache.c
  *	  The local cache of denials (rl_redis.deny_cache).
  *
- * A call that Redis denied is remembered in this backend, by the hash of
- * its key and limit, until its retry_after_ms has passed (counted from
+ * A call that Redis denied is remembered in this backend, by its key and
+ * limit, until its retry_after_ms has passed (counted from
  * when the call was sent, so never beyond the moment Redis named). Until
  * then a call on the same key and limit that asks for at least as many
  * units is denied here, without Redis: it would be denied there too, unless
@@ -19,8 +19,11 @@
  * (shared_preload_libraries); without, the setting is ignored with a
  * warning.
  *
- * Memory: at most RL_DENY_CACHE_MAX entries of fixed size per backend;
- * when full, expired entries are dropped, and if none is, all of them.
+ * An entry holds its key and limit, compared on a lookup (two keys of one
+ * hash never answer for each other); keys longer than RL_DENY_CACHE_KEY are
+ * not remembered. Memory: at most RL_DENY_CACHE_MAX entries per backend,
+ * in a memory context of their own; when full, expired entries are
+ * dropped, and if none is, all of them.
  */
 #include "postgres.h"
 
@@ -38,10 +41,15 @@
 /* the most denials one backend remembers */
 #define RL_DENY_CACHE_MAX 10000
 
+/* the longest key remembered (a longer one is not: memory stays bounded) */
+#define RL_DENY_CACHE_KEY 512
+
 /* One remembered denial. */
 typedef struct RlDenial
 {
 	uint64		hash;			/* hash key: of the Redis key and the limit */
+	char	   *key;			/* the key and limit, compared on a lookup */
+	int			keylen;
 	int64		until_ms;		/* on rl_deny_cache_now's clock */
 	int64		reset_at_ms;	/* when the key's state resets, or 0 */
 	int32		cost;			/* the units the denied call asked for */
@@ -52,7 +60,8 @@ typedef struct RlDenial
 /* the counter of refunds and resets on this server, in shared memory */
 static pg_atomic_uint64 *refunds = NULL;
 
-/* this backend's denials, and the counter they were made under */
+/* this backend's denials (in denials_cxt), the counter they were made under */
+static MemoryContext denials_cxt = NULL;
 static HTAB *denials = NULL;
 static uint64 denials_refunds = 0;
 
@@ -130,34 +139,41 @@ rl_deny_cache_usable(void)
 }
 
 /*
- * The hash of a key, its limit and the server (a number that changes when
- * the connection settings name another): what an entry is found by.
+ * Writes what an entry is for into buf: the key, its limit and the server
+ * (a number that changes when the connection settings name another).
+ * Returns its length, or -1 when it is longer than RL_DENY_CACHE_KEY.
  */
-static uint64
-rl_denial_hash(const char *key, size_t len, const RlLimit *limit,
+static int
+rl_denial_name(char *buf, const char *key, size_t len, const RlLimit *limit,
 			   uint64 server)
 {
-	uint64		h = hash_bytes_extended((const unsigned char *) key, len, 0);
 	char		sig[96];
+	int			siglen;
 
-	snprintf(sig, sizeof(sig), "%s/%d/" INT64_FORMAT "/%d/" UINT64_FORMAT,
-			 limit->algorithm->name, limit->lim, limit->window_ms, limit->burst,
-			 server);
-	return hash_combine64(h, hash_bytes_extended((const unsigned char *) sig,
-												 strlen(sig), 0));
+	siglen = snprintf(sig, sizeof(sig), "|%s/%d/" INT64_FORMAT "/%d/" UINT64_FORMAT,
+					  limit->algorithm->name, limit->lim, limit->window_ms,
+					  limit->burst, server);
+	if (len + siglen > RL_DENY_CACHE_KEY)
+		return -1;
+	memcpy(buf, key, len);
+	memcpy(buf + len, sig, siglen);
+	return (int) len + siglen;
 }
 
-/* Makes the table empty (and creates it). */
+/* Makes the table empty (and creates it), its keys too. */
 static void
 rl_denials_clear(void)
 {
 	HASHCTL		info;
 
-	if (denials != NULL)
-		hash_destroy(denials);
+	if (denials_cxt == NULL)
+		denials_cxt = AllocSetContextCreate(TopMemoryContext, "rl_redis denials",
+											ALLOCSET_DEFAULT_SIZES);
+	else
+		MemoryContextReset(denials_cxt);
 	info.keysize = sizeof(uint64);
 	info.entrysize = sizeof(RlDenial);
-	info.hcxt = TopMemoryContext;
+	info.hcxt = denials_cxt;
 	denials = hash_create("rl_redis denials", 256, &info,
 						  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 }
@@ -194,6 +210,8 @@ rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
 					 uint64 server, int32 cost, RlDecision *d)
 {
 	HTAB	   *table = rl_denials();
+	char		name[RL_DENY_CACHE_KEY];
+	int			namelen;
 	uint64		hash;
 	RlDenial   *e;
 	int64		now;
@@ -201,13 +219,18 @@ rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
 	if (table == NULL || cost <= 0 ||
 		cost > (limit->burst > 0 ? limit->burst : limit->lim))
 		return false;
-	hash = rl_denial_hash(key, len, limit, server);
+	namelen = rl_denial_name(name, key, len, limit, server);
+	if (namelen < 0)
+		return false;
+	hash = hash_bytes_extended((const unsigned char *) name, namelen, 0);
 	e = hash_search(table, &hash, HASH_FIND, NULL);
-	if (e == NULL)
+	/* another key of the same hash is a miss */
+	if (e == NULL || e->keylen != namelen || memcmp(e->key, name, namelen) != 0)
 		return false;
 	now = rl_deny_cache_now();
 	if (now >= e->until_ms)
 	{
+		pfree(e->key);
 		(void) hash_search(table, &hash, HASH_REMOVE, NULL);
 		return false;
 	}
@@ -226,32 +249,49 @@ rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
 }
 
 /*
+ * The refund counter before a call is sent: rl_deny_cache_store remembers
+ * its denial only when no refund or reset came between (a denial decided
+ * before a refund must not outlive it).
+ */
+uint64
+rl_deny_cache_mark(void)
+{
+	return refunds != NULL ? pg_atomic_read_u64(refunds) : 0;
+}
+
+/*
  * Remembers the denial d of a call on key under limit (on server) asking
- * for cost units, sent at sent_ms (rl_deny_cache_now); a wait of -1 (never:
- * more than the limit holds) or 0 is not remembered. An allowed call (or
- * a peek) on a remembered key brings the entry's remaining up to date.
+ * for cost units, sent at sent_ms (rl_deny_cache_now) when the refund
+ * counter was mark (rl_deny_cache_mark); a wait of -1 (never: more than the
+ * limit holds) or 0 is not remembered. An allowed call (or a peek) on a
+ * remembered key brings the entry's remaining up to date.
  */
 void
 rl_deny_cache_store(const char *key, size_t len, const RlLimit *limit,
 					uint64 server, int32 cost, const RlDecision *d,
-					int64 sent_ms)
+					int64 sent_ms, uint64 mark)
 {
 	HTAB	   *table = rl_denials();
+	char		name[RL_DENY_CACHE_KEY];
+	int			namelen;
 	uint64		hash;
 	RlDenial   *e;
 	bool		found;
 
 	if (table == NULL || cost < 0 || !d->from_redis)
 		return;
+	namelen = rl_denial_name(name, key, len, limit, server);
+	if (namelen < 0)
+		return;
+	hash = hash_bytes_extended((const unsigned char *) name, namelen, 0);
 	if (d->allowed)
 	{
-		hash = rl_denial_hash(key, len, limit, server);
 		e = hash_search(table, &hash, HASH_FIND, NULL);
-		if (e != NULL)
+		if (e != NULL && e->keylen == namelen && memcmp(e->key, name, namelen) == 0)
 			e->remaining = d->remaining;
 		return;
 	}
-	if (cost == 0 || d->retry_after_ms <= 0)
+	if (cost == 0 || d->retry_after_ms <= 0 || mark != denials_refunds)
 		return;
 	if (hash_get_num_entries(table) >= RL_DENY_CACHE_MAX)
 	{
@@ -262,13 +302,20 @@ rl_deny_cache_store(const char *key, size_t len, const RlLimit *limit,
 		hash_seq_init(&status, table);
 		while ((old = hash_seq_search(&status)) != NULL)
 			if (now >= old->until_ms)
+			{
+				pfree(old->key);
 				(void) hash_search(table, &old->hash, HASH_REMOVE, NULL);
+			}
 		if (hash_get_num_entries(table) >= RL_DENY_CACHE_MAX)
 			rl_denials_clear();
 		table = denials;
 	}
-	hash = rl_denial_hash(key, len, limit, server);
 	e = hash_search(table, &hash, HASH_ENTER, &found);
+	if (found)
+		pfree(e->key);
+	e->key = MemoryContextAlloc(denials_cxt, namelen);
+	memcpy(e->key, name, namelen);
+	e->keylen = namelen;
 	e->until_ms = sent_ms + d->retry_after_ms;
 	e->reset_at_ms = d->reset_ms > 0 ? sent_ms + d->reset_ms : 0;
 	e->cost = cost;

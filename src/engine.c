@@ -624,7 +624,14 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 		rl_group_call(sp.group + j, sp.size[sp.ncalls], scopes, &sp.calls[sp.ncalls]);
 	}
 
+	/*
+	 * A cancel while the calls are out would leave the slots whose reply
+	 * was not read charged, unknowably: with command_timeout bounding each
+	 * wait, the replies are read first and the cancel served after.
+	 */
 	start = GetCurrentTimestamp();
+	if (rl_command_timeout > 0)
+		HOLD_INTERRUPTS();
 	PG_TRY();
 	{
 		rl_call_many(sp.calls, sp.ncalls);
@@ -642,6 +649,11 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	ok = rl_split_results(&sp, false,
 						  rl_stats ? GetCurrentTimestamp() - start : 0,
 						  d, index, failure);
+	if (rl_command_timeout > 0)
+	{
+		RESUME_INTERRUPTS();
+		CHECK_FOR_INTERRUPTS();
+	}
 	pfree(sp.order);
 	pfree(sp.group);
 	pfree(sp.first);
@@ -675,6 +687,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	const char *scopes = cost > 0 ? rl_refund_scopes(by) : "";
 	TimestampTz start;
 	int64		sent_ms;
+	uint64		mark;
 	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure = {0};
@@ -710,6 +723,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 
 	start = rl_stats ? GetCurrentTimestamp() : 0;
 	sent_ms = rl_deny_cache ? rl_deny_cache_now() : 0;
+	mark = rl_deny_cache_mark();
 	reply = rl_call(key->data, key->len, &limit->algorithm->script, 11, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
@@ -726,7 +740,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	if (cost < 0)
 		rl_deny_cache_forget(); /* the units are back now */
 	rl_deny_cache_store(key->data, key->len, limit, rl_server_generation(),
-						cost, d, sent_ms);
+						cost, d, sent_ms, mark);
 	if (d->allowed && cost > 0)
 		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by);
 	else if (!d->allowed && cost > 0 && policy != NULL && rl_track_denials)
@@ -735,6 +749,13 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 
 /* the most keys one batch script call decides (it holds Redis meanwhile) */
 #define RL_BATCH_KEYS 500
+
+/*
+ * About the most keys whose calls go in one pipeline round: their replies
+ * (about 700 bytes of hiredis memory per key) are all held until the round
+ * is read.
+ */
+#define RL_BATCH_ROUND 10000
 
 /* A key of a batch and its place in the caller's array. */
 typedef struct RlBatchKey
@@ -894,6 +915,38 @@ rl_batch_results(const RlLimit *limit, RlBatchKey *keys, RlCall *calls,
 }
 
 /*
+ * Sends n calls of a batch (rl_call_many) and takes their replies in
+ * (rl_batch_results); returns how many identities they denied. An
+ * interrupt takes in the replies read until then (their charges
+ * remembered) before its error goes on.
+ */
+static int
+rl_batch_round(const RlLimit *limit, RlBatchKey *keys, RlCall *calls,
+			   int *first, int *size, int n, int32 cost, RlDecision *d,
+			   bool *bad, RlFailure *failures, text **identities,
+			   text **denied)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	TimestampTz start = GetCurrentTimestamp();
+
+	PG_TRY();
+	{
+		rl_call_many(calls, n);
+	}
+	PG_CATCH();
+	{
+		MemoryContextSwitchTo(cxt);
+		(void) rl_batch_results(limit, keys, calls, first, size, n, cost,
+								0, d, bad, NULL, identities, NULL);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	return rl_batch_results(limit, keys, calls, first, size, n, cost,
+							rl_stats ? GetCurrentTimestamp() - start : 0,
+							d, bad, failures, identities, denied);
+}
+
+/*
  * Decides limit for each of n identities on its own, cost units each (not
  * all or nothing: each identity gets its own decision, in d[i]), on the
  * policy's keys (policy not NULL) or the explicit limit's. The keys of one
@@ -922,9 +975,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 				now_s[24];
 	const char *scopes = cost > 0 ? rl_refund_scopes(RL_BY_CALL) : "";
 	const char *suffix_s = policy ? policy : rl_limit_suffix(limit, suffix);
-	MemoryContext cxt = CurrentMemoryContext;
 	StringInfoData all;
-	TimestampTz start;
 	text	  **denied = palloc(sizeof(text *) * Max(n, 1));
 	bool	   *bad = palloc0(sizeof(bool) * Max(n, 1));
 	int			ndenied;
@@ -1014,24 +1065,19 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		calls[c].argvlen = argvlen;
 	}
 
-	start = GetCurrentTimestamp();
-	PG_TRY();
-	{
-		rl_call_many(calls, ncalls);
-	}
-	PG_CATCH();
-	{
-		/* what came in is taken in (charges remembered) before the error goes on */
-		MemoryContextSwitchTo(cxt);
-		(void) rl_batch_results(limit, keys, calls, first, size, ncalls, cost,
-								0, d, bad, NULL, identities, NULL);
-		PG_RE_THROW();
-	}
-	PG_END_TRY();
+	/* pipelines of about RL_BATCH_ROUND keys: their replies are held at once */
 	failures = palloc0(sizeof(RlFailure) * Max(ncalls, 1));
-	ndenied = rl_batch_results(limit, keys, calls, first, size, ncalls, cost,
-							   rl_stats ? GetCurrentTimestamp() - start : 0,
-							   d, bad, failures, identities, denied);
+	ndenied = 0;
+	for (c = 0; c < ncalls; c += j)
+	{
+		int			nkeys = size[c];
+
+		for (j = 1; c + j < ncalls && nkeys + size[c + j] <= RL_BATCH_ROUND; j++)
+			nkeys += size[c + j];
+		ndenied += rl_batch_round(limit, keys, calls + c, first + c, size + c,
+								  j, cost, d, bad, failures + c, identities,
+								  denied + ndenied);
+	}
 	if (ndenied > 0 && policy != NULL && rl_track_denials)
 		rl_note_denials(policy, denied, ndenied);
 

@@ -662,16 +662,21 @@ rl_define_gucs(void)
 							 0,
 							 NULL, NULL, NULL);
 
-	/* a server setting can only be made at start: the queue needs preloading */
-	if (process_shared_preload_libraries_in_progress)
-		DefineCustomIntVariable("rl_redis.shared_queue_size",
-								"The number of calls the shared queue of rl_redis.transport = shared holds at once.",
-								"Each slot takes about 13 kB of shared memory.",
-								&rl_shared_queue_size,
-								256, 16, 8192,
-								PGC_POSTMASTER,
-								0,
-								NULL, NULL, NULL);
+	/*
+	 * The queue is made at server start, when the library is preloaded; a
+	 * server-start setting cannot be defined later, so a library loaded
+	 * later defines it as reloadable (and without effect: there is no
+	 * queue), which keeps a value in postgresql.conf from being warned
+	 * about by every session.
+	 */
+	DefineCustomIntVariable("rl_redis.shared_queue_size",
+							"The number of calls the shared queue of rl_redis.transport = shared holds at once.",
+							"Each slot takes about 13 kB of shared memory. Only with the library in shared_preload_libraries, read at server start.",
+							&rl_shared_queue_size,
+							256, 16, 8192,
+							process_shared_preload_libraries_in_progress ? PGC_POSTMASTER : PGC_SIGHUP,
+							0,
+							NULL, NULL, NULL);
 
 	DefineCustomBoolVariable("rl_redis.deny_cache",
 							 "Whether denials are remembered in the backend until their retry time, so that calls for a denied identity are denied without Redis.",

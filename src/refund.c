@@ -80,6 +80,9 @@ static uint32 backend_tag = 0;
 /* the most keys one refund or forget call carries */
 #define RL_REFUND_BATCH 1000
 
+/* the most bytes a refund call's encoding adds per key: nine numbers */
+#define RL_REFUND_KEY_BYTES (9 * 28 + 16)
+
 /* the scopes argument of the last call, "id1,id2,..." */
 static StringInfoData scopes_arg;
 
@@ -402,7 +405,9 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	conn = rl_route_known(list[0]->key.data, list[0]->key.len);
 	if (conn != NULL)
 	{
-		rl_defer_command(conn, argc, argv, argvlen, idempotent);
+		rl_defer_command(conn, argc, argv, argvlen,
+						 (idempotent ? RL_QUEUED_IDEMPOTENT : 0) |
+						 (refund ? RL_QUEUED_GIVES_BACK : 0));
 		for (j = 0; refund && j < n; j++)
 			rl_stats_refunded(list[j]->key.data, list[j]->key.len,
 							  list[j]->units + list[j]->prev);
@@ -455,10 +460,21 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 		list[j] = slotted[j].p;
 	for (j = 0; j < n; j += batch)
 	{
-		/* the run of keys of one slot, at most RL_REFUND_BATCH */
+		/*
+		 * The run of keys of one slot, at most RL_REFUND_BATCH; with the
+		 * shared transport, at most what a slot of its queue holds (a call
+		 * too large for it would wait for the session's own connection).
+		 */
+		size_t		bytes = list[j]->key.len + RL_REFUND_KEY_BYTES;
+
 		for (batch = 1; j + batch < n && batch < RL_REFUND_BATCH &&
 			 slotted[j + batch].slot == slotted[j].slot; batch++)
-			;
+		{
+			bytes += list[j + batch]->key.len + RL_REFUND_KEY_BYTES;
+			if (rl_transport == RL_TRANSPORT_SHARED &&
+				bytes > RL_SHARED_REQUEST_MAX - 1024)
+				break;
+		}
 		rl_scope_queue_batch(scope, script, refund, idempotent, list + j,
 							 (int) batch, parents);
 	}

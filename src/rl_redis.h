@@ -257,11 +257,16 @@ extern bool rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds,
 							 int limit_ms, RlFailure *failure);
 extern redisReply *rl_pipeline_recv(RlConn *conn, RlFailure *failure);
 extern bool rl_conn_script_known(RlConn *conn, int id);
+extern void rl_conn_script_forget(RlConn *conn, int id);
 extern redisReply *rl_command_within(RlConn *conn, int argc,
 									 const char **argv, const size_t *argvlen,
 									 int limit_ms, RlFailure *failure);
 extern void rl_defer_command(RlConn *conn, int argc, const char **argv,
-							 const size_t *argvlen, bool idempotent);
+							 const size_t *argvlen, uint8 flags);
+
+/* what a command queued for a transaction end is (rl_defer_command) */
+#define RL_QUEUED_IDEMPOTENT 0x01	/* it may be sent twice */
+#define RL_QUEUED_GIVES_BACK 0x02	/* it gives units back (a refund) */
 extern uint64 rl_server_generation(void);
 extern uint64 rl_settings_version(void);
 extern bool rl_command_was_sent(RlConn *conn);
@@ -273,7 +278,7 @@ typedef struct RlDeferred
 {
 	const char *host;			/* the server it is for */
 	int			port;
-	bool		idempotent;
+	uint8		flags;			/* RL_QUEUED_* */
 	size_t		script_len;		/* an EVAL: its script's length, else 0 */
 	uint64		script_hash;	/* and hash_bytes_extended of its text */
 	int			nargs;			/* an EVAL: the arguments after the script */
@@ -371,6 +376,9 @@ extern void rl_call_many(RlCall *calls, int n);
 /* the largest reply a slot of the queue holds (the Redis protocol) */
 #define RL_SHARED_REPLY_MAX 4096
 
+/* the most bytes of a call's arguments (or of deferred work) a slot holds */
+#define RL_SHARED_REQUEST_MAX 8192
+
 extern void rl_shared_queue_init(void);
 extern redisReply *rl_shared_call(const RlScript *script, int argc,
 								  const char **argv, const size_t *argvlen,
@@ -451,10 +459,11 @@ extern int64 rl_deny_cache_now(void);
 extern bool rl_deny_cache_lookup(const char *key, size_t len,
 								 const RlLimit *limit, uint64 server,
 								 int32 cost, RlDecision *d);
+extern uint64 rl_deny_cache_mark(void);
 extern void rl_deny_cache_store(const char *key, size_t len,
 								const RlLimit *limit, uint64 server,
 								int32 cost, const RlDecision *d,
-								int64 sent_ms);
+								int64 sent_ms, uint64 mark);
 extern void rl_deny_cache_forget(void);
 
 /*

@@ -950,51 +950,42 @@ rl_reply_not_run(const redisReply *reply)
 }
 
 /*
- * Runs n script calls, each on its key's node: the calls that go to one
- * connection are written in one pipeline and their replies read in order,
- * one connection after another, so that the batch costs about one round
- * trip per node. Each call's reply (the caller frees it; it may be an error
- * reply) or failure, and the connection it went to, are filled in.
- *
- * A call that Redis did not run (NOSCRIPT, a redirection, TRYAGAIN,
- * READONLY), or that never left because its connection could not be made
- * (cluster and sentinel modes, where the route may change), is sent once
- * more by rl_call, which follows redirections; after command_timeout (2 s
- * when none) since the batch began no call is sent again. A call whose
- * connection was lost after it was written is never sent again.
- *
- * An interrupt raises its error from inside; the replies read until then
- * are in calls[], for the caller to free.
+ * Sends the calls todo[i] of a batch, one pipeline per connection, all
+ * written before any is read, and reads their replies in order. The first
+ * call of each script the connection may not know goes as EVAL (which
+ * loads it), the others as EVALSHA. Fills each call's reply or failure and
+ * sets noscript[i] when Redis did not know the script after all (it was
+ * flushed: the call did not run; the connection forgets the script) and
+ * again[i] when the call did not run for another reason that a new route
+ * may cure (a redirection, TRYAGAIN, READONLY, a connection that could
+ * not be made in cluster or sentinel mode). A connection's failure is
+ * given to the first of its calls, and to the others without
+ * first_in_outage and breaker_opened: warned of and counted once.
  */
-void
-rl_call_many(RlCall *calls, int n)
+static void
+rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
+				 bool *again)
 {
-	int			timeout = rl_command_timeout > 0 ? rl_command_timeout : 2000;
-	TimestampTz deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-													   timeout);
 	RlConn	  **conns = palloc(sizeof(RlConn *) * Max(n, 1));
 	int		   *group = palloc(sizeof(int) * Max(n, 1));
-	bool	   *again = palloc0(sizeof(bool) * Max(n, 1));
 	RlCommand  *cmds = palloc(sizeof(RlCommand) * Max(n, 1));
 	int		   *members = palloc(sizeof(int) * Max(n, 1));
 	int			nconns = 0;
 	int			c;
 	int			i;
 
-	may_ask = true;
-	if (rl_mode == RL_MODE_CLUSTER)
-		rl_send_queued(NULL);
-
 	/* the route of each call, and the distinct connections */
 	for (i = 0; i < n; i++)
 	{
 		RlConn	   *conn;
 
+		group[i] = -1;
+		if (!todo[i])
+			continue;
 		calls[i].reply = NULL;
 		memset(&calls[i].failure, 0, sizeof(RlFailure));
 		conn = rl_route(calls[i].key, calls[i].keylen, &calls[i].failure);
 		calls[i].conn = conn;
-		group[i] = -1;
 		if (conn == NULL)
 			continue;
 		for (c = 0; c < nconns && conns[c] != conn; c++)
@@ -1004,27 +995,26 @@ rl_call_many(RlCall *calls, int n)
 		group[i] = c;
 	}
 
-	/* one pipeline per connection, all written before any is read */
 	for (c = 0; c < nconns; c++)
 	{
+		uint32		evaled = 0;
 		int			k = 0;
-		bool		eval = false;
 		RlFailure	failure = {0};
 
 		for (i = 0; i < n; i++)
 		{
 			RlCall	   *call = &calls[i];
+			uint32		bit = (uint32) 1 << call->script->id;
 
 			if (group[i] != c)
 				continue;
-			/* a script the server may not know goes as EVAL first, once */
-			if (!eval && !rl_conn_script_known(conns[c], call->script->id))
+			if (!(evaled & bit) && !rl_conn_script_known(conns[c], call->script->id))
 			{
 				call->argv[0] = "EVAL";
 				call->argvlen[0] = 4;
 				call->argv[1] = call->script->body;
 				call->argvlen[1] = strlen(call->script->body);
-				eval = true;
+				evaled |= bit;
 			}
 			else
 			{
@@ -1048,13 +1038,11 @@ rl_call_many(RlCall *calls, int n)
 			again[members[i]] = !rl_command_was_sent(conns[c]) &&
 				rl_mode != RL_MODE_STANDALONE;
 			group[members[i]] = -1;
-			/* one failure: warned of and counted once */
 			failure.first_in_outage = false;
 			failure.breaker_opened = false;
 		}
 	}
 
-	/* the replies, in order, connection after connection */
 	for (c = 0; c < nconns; c++)
 	{
 		bool		lost = false;
@@ -1062,30 +1050,101 @@ rl_call_many(RlCall *calls, int n)
 
 		for (i = 0; i < n; i++)
 		{
+			redisReply *reply;
+
 			if (group[i] != c)
 				continue;
 			if (!lost)
 				calls[i].reply = rl_pipeline_recv(conns[c], &failure);
-			if (calls[i].reply == NULL)
+			reply = calls[i].reply;
+			if (reply == NULL)
 			{
 				/* written: it may have run, so it is never sent again */
 				if (!lost && rl_mode != RL_MODE_STANDALONE)
 					rl_route_failed(conns[c]);
 				lost = true;
 				calls[i].failure = failure;
-				/* one failure: warned of and counted once */
 				failure.first_in_outage = false;
 				failure.breaker_opened = false;
 				continue;
 			}
-			if (rl_reply_not_run(calls[i].reply))
+			if (reply->type == REDIS_REPLY_ERROR &&
+				strncmp(reply->str, "NOSCRIPT", 8) == 0)
+			{
+				rl_conn_script_forget(conns[c], calls[i].script->id);
+				noscript[i] = true;
+			}
+			else if (rl_reply_not_run(reply))
 				again[i] = true;
-			else if (calls[i].reply->type != REDIS_REPLY_ERROR)
+			else if (reply->type != REDIS_REPLY_ERROR)
 				rl_conn_script_loaded(conns[c], calls[i].script->id);
 		}
 	}
+	pfree(conns);
+	pfree(group);
+	pfree(cmds);
+	pfree(members);
+}
+
+/*
+ * Runs n script calls, each on its key's node: the calls that go to one
+ * connection are written in one pipeline and their replies read in order,
+ * one connection after another, so that the batch costs about one round
+ * trip per node. Each call's reply (the caller frees it; it may be an error
+ * reply) or failure, and the connection it went to, are filled in.
+ *
+ * Calls that Redis did not run because it did not know their script (a
+ * SCRIPT FLUSH, a restart) go again in one more pipeline, their scripts
+ * sent first. Calls that it did not run for another reason (a
+ * redirection, TRYAGAIN, READONLY) or that never left because their
+ * connection could not be made (cluster and sentinel modes, where the
+ * route may change) are sent once more one by one by rl_call, which
+ * follows redirections, until command_timeout (2 s when none) after the
+ * pipelines; after that they fail, with one warning. A call whose
+ * connection was lost after it was written is never sent again.
+ *
+ * An interrupt raises its error from inside; the replies read until then
+ * are in calls[], for the caller to free.
+ */
+void
+rl_call_many(RlCall *calls, int n)
+{
+	int			timeout = rl_command_timeout > 0 ? rl_command_timeout : 2000;
+	bool	   *todo = palloc(sizeof(bool) * Max(n, 1));
+	bool	   *noscript = palloc0(sizeof(bool) * Max(n, 1));
+	bool	   *again = palloc0(sizeof(bool) * Max(n, 1));
+	bool		more = false;
+	bool		warned = false;
+	TimestampTz deadline;
+	int			i;
+
+	may_ask = true;
+	if (rl_mode == RL_MODE_CLUSTER)
+		rl_send_queued(NULL);
+	for (i = 0; i < n; i++)
+	{
+		todo[i] = true;
+		calls[i].reply = NULL;
+	}
+	rl_pipeline_pass(calls, n, todo, noscript, again);
+
+	/* scripts flushed meanwhile: those calls once more, pipelined */
+	for (i = 0; i < n; i++)
+	{
+		todo[i] = noscript[i];
+		if (noscript[i])
+		{
+			freeReplyObject(calls[i].reply);
+			calls[i].reply = NULL;
+			more = true;
+		}
+		noscript[i] = false;
+	}
+	if (more)
+		rl_pipeline_pass(calls, n, todo, noscript, again);
 
 	/* what did not run goes once more, one call at a time, while there is time */
+	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), timeout);
 	for (i = 0; i < n; i++)
 	{
 		if (!again[i])
@@ -1098,19 +1157,19 @@ rl_call_many(RlCall *calls, int n)
 		if (GetCurrentTimestamp() >= deadline)
 		{
 			calls[i].failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-			calls[i].failure.first_in_outage = true;
+			calls[i].failure.first_in_outage = !warned;
+			calls[i].failure.breaker_opened = false;
 			snprintf(calls[i].failure.message, sizeof(calls[i].failure.message),
 					 "timed out: Redis did not run a call of a batch within %d ms",
 					 timeout);
+			warned = true;
 			continue;
 		}
 		calls[i].reply = rl_call(calls[i].key, calls[i].keylen, calls[i].script,
 								 calls[i].argc, calls[i].argv, calls[i].argvlen,
 								 &calls[i].conn, &calls[i].failure);
 	}
-	pfree(conns);
-	pfree(group);
+	pfree(todo);
+	pfree(noscript);
 	pfree(again);
-	pfree(cmds);
-	pfree(members);
 }

@@ -56,7 +56,7 @@
 #include "rl_redis.h"
 
 /* the most bytes of a call's arguments and of its reply that a slot holds */
-#define RL_SLOT_REQUEST 8192
+#define RL_SLOT_REQUEST RL_SHARED_REQUEST_MAX
 #define RL_SLOT_REPLY RL_SHARED_REPLY_MAX
 
 /* how often a waiting session checks that the worker still runs */
@@ -89,7 +89,7 @@ typedef struct RlSlot
 	/* deferred work: for the server at this address (see RlDeferred) */
 	char		host[RL_ADDRESS_LEN];
 	int			port;
-	bool		idempotent;
+	uint8		flags;
 	size_t		script_len;
 	uint64		script_hash;
 	int			nargs;
@@ -118,6 +118,9 @@ typedef struct RlQueue
 } RlQueue;
 
 static RlQueue *queue = NULL;
+
+/* this process is the worker: its own calls never go through the queue */
+static bool am_worker = false;
 
 /* the slot this session waits on, for its exit (a FATAL skips PG_CATCH) */
 static RlSlot *waiting_slot = NULL;
@@ -329,7 +332,7 @@ rl_shared_usable(uint64 settings, uint64 *gen, PGPROC **worker)
 {
 	uint64		worker_settings;
 
-	if (rl_transport != RL_TRANSPORT_SHARED || queue == NULL ||
+	if (rl_transport != RL_TRANSPORT_SHARED || queue == NULL || am_worker ||
 		rl_mode != RL_MODE_STANDALONE)
 		return false;
 	if (!rl_worker_running(gen, &worker_settings, worker))
@@ -572,7 +575,7 @@ rl_shared_defer(const RlDeferred *work, uint64 settings)
 	slot->waiter = true;
 	strlcpy(slot->host, work->host, RL_ADDRESS_LEN);
 	slot->port = work->port;
-	slot->idempotent = work->idempotent;
+	slot->flags = work->flags;
 	slot->script_len = work->script_len;
 	slot->script_hash = work->script_hash;
 	slot->nargs = work->nargs;
@@ -635,6 +638,7 @@ rl_shared_defer_wait(TimestampTz deadline)
 void
 rl_shared_worker_start(uint64 settings)
 {
+	am_worker = true;
 	queue->worker_proc = MyProc;
 	pg_atomic_write_u64(&queue->worker_settings, settings);
 	pg_write_barrier();
@@ -736,7 +740,7 @@ rl_shared_take(int i, RlCall *call, int *script_id, RlDeferred *work)
 	{
 		work->host = pstrdup(slot->host);
 		work->port = slot->port;
-		work->idempotent = slot->idempotent;
+		work->flags = slot->flags;
 		work->script_len = slot->script_len;
 		work->script_hash = slot->script_hash;
 		work->nargs = slot->nargs;

@@ -76,7 +76,8 @@
  *
  * The queue holds commands for the end of a transaction: encoded one after
  * another in queue; the end offset of each in queue_ends, and whether it
- * may be sent twice in queue_idempotent. What a transaction end could not
+ * may be sent twice, and whether it gives units back, in queue_flags. What
+ * a transaction end could not
  * write waits for the next command on the connection, which sends it first:
  * so the queue never holds more than the work of the transaction ends since
  * the last command that reached Redis (a charge needs such a command). It
@@ -124,7 +125,7 @@ struct RlConn
 	/* the transaction-end queue */
 	StringInfoData queue;
 	int		   *queue_ends;
-	bool	   *queue_idempotent;
+	uint8	   *queue_flags;	/* RL_QUEUED_* of each command */
 	uint8	   *queue_tries;	/* times written whole */
 	int			queue_count;
 	int			queue_max;
@@ -204,7 +205,7 @@ static void rl_queue_unconfirmed(RlConn *conn);
 static void rl_queue_account(RlConn *conn);
 static void rl_queue_push(RlConn *conn, int argc, const char **argv,
 						  const size_t *argvlen, const char *encoded,
-						  size_t len, bool idempotent, uint8 tries);
+						  size_t len, uint8 flags, uint8 tries);
 
 /* Closes the socket and frees everything that belongs to the connection. */
 static void
@@ -414,6 +415,13 @@ void
 rl_conn_script_loaded(RlConn *conn, int id)
 {
 	conn->scripts_loaded |= (uint32) 1 << id;
+}
+
+/* Notes that script id is not loaded on conn's server (NOSCRIPT). */
+void
+rl_conn_script_forget(RlConn *conn, int id)
+{
+	conn->scripts_loaded &= ~((uint32) 1 << id);
 }
 
 /* True when script id is known loaded on conn's server. */
@@ -1329,7 +1337,7 @@ rl_queue_remove(RlConn *conn, int k, int n)
 	for (i = k + n; i < conn->queue_count; i++)
 	{
 		conn->queue_ends[i - n] = conn->queue_ends[i] - len;
-		conn->queue_idempotent[i - n] = conn->queue_idempotent[i];
+		conn->queue_flags[i - n] = conn->queue_flags[i];
 		conn->queue_tries[i - n] = conn->queue_tries[i];
 	}
 	conn->queue_count -= n;
@@ -1391,9 +1399,10 @@ rl_queue_unconfirmed(RlConn *conn)
 	written = conn->pending_replies;
 	for (k = written - 1; k >= 0; k--)
 	{
-		if (conn->queue_idempotent[k] && conn->queue_tries[k] < RL_QUEUE_TRIES)
+		if ((conn->queue_flags[k] & RL_QUEUED_IDEMPOTENT) &&
+			conn->queue_tries[k] < RL_QUEUE_TRIES)
 			continue;
-		if (conn->queue_idempotent[k])
+		if (conn->queue_flags[k] & RL_QUEUED_IDEMPOTENT)
 			dropped++;
 		rl_queue_remove(conn, k, 1);
 	}
@@ -1454,7 +1463,7 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	size_t		from = rl_queue_offset(conn, k);
 	size_t		len;
 	char	   *copy;
-	bool		idempotent;
+	uint8		flags;
 	uint8		tries;
 
 	if (rl_mode != RL_MODE_CLUSTER || conn->queue_tries[k] >= RL_MAX_REQUEUE)
@@ -1483,9 +1492,9 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	len = conn->queue_ends[k] - from;
 	copy = palloc(len);
 	memcpy(copy, conn->queue.data + from, len);
-	idempotent = conn->queue_idempotent[k];
+	flags = conn->queue_flags[k];
 	tries = conn->queue_tries[k];
-	rl_queue_push(target, 0, NULL, NULL, copy, len, idempotent, tries);
+	rl_queue_push(target, 0, NULL, NULL, copy, len, flags, tries);
 	pfree(copy);
 	if (target != conn)
 		target->got_redirected = true;
@@ -1514,8 +1523,9 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 		}
 		conn->pending_replies--;
 		conn->queue_confirmed++;
-		/* a refund may have given units back: no remembered denial stays */
-		rl_deny_cache_forget();
+		/* a refund gave units back: no remembered denial stays */
+		if (conn->queue_flags[conn->queue_confirmed - 1] & RL_QUEUED_GIVES_BACK)
+			rl_deny_cache_forget();
 		if (reply->type == REDIS_REPLY_ERROR &&
 			rl_queue_redirect(conn, conn->queue_confirmed - 1, reply->str))
 			freeReplyObject(reply);
@@ -1540,28 +1550,30 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 
 /*
  * Queues a command on conn to be sent at the end of the current
- * (sub)transaction, or with the session's next command on conn; idempotent:
- * it may be sent again (once, after a lost connection) without harm. Beyond RL_MAX_QUEUE bytes
- * waiting the command is dropped with a warning. Raises only when out of
- * memory.
+ * (sub)transaction, or with the session's next command on conn. flags:
+ * RL_QUEUED_IDEMPOTENT, it may be sent again (once, after a lost
+ * connection) without harm; RL_QUEUED_GIVES_BACK, it gives units back (a
+ * refund: remembered denials are forgotten once it ran). Beyond
+ * RL_MAX_QUEUE bytes waiting the command is dropped with a warning. Raises
+ * only when out of memory.
  */
 void
 rl_defer_command(RlConn *conn, int argc, const char **argv,
-				 const size_t *argvlen, bool idempotent)
+				 const size_t *argvlen, uint8 flags)
 {
-	rl_queue_push(conn, argc, argv, argvlen, NULL, 0, idempotent, 0);
+	rl_queue_push(conn, argc, argv, argvlen, NULL, 0, flags, 0);
 }
 
 /*
  * Appends one command to conn's queue: argv encoded, or (argv NULL) the
- * len bytes at encoded, already encoded; tries: the times it was written
- * whole (to another connection) already. Beyond RL_MAX_QUEUE bytes waiting
+ * len bytes at encoded, already encoded; flags as rl_defer_command's;
+ * tries: the times it was written whole (to another connection) already. Beyond RL_MAX_QUEUE bytes waiting
  * the command is dropped with a warning. Raises only when out of memory.
  */
 static void
 rl_queue_push(RlConn *conn, int argc, const char **argv,
 			  const size_t *argvlen, const char *encoded, size_t len,
-			  bool idempotent, uint8 tries)
+			  uint8 flags, uint8 tries)
 {
 	MemoryContext old;
 
@@ -1583,8 +1595,8 @@ rl_queue_push(RlConn *conn, int argc, const char **argv,
 		conn->queue_ends = conn->queue_ends ?
 			repalloc(conn->queue_ends, sizeof(int) * conn->queue_max) :
 			palloc(sizeof(int) * conn->queue_max);
-		conn->queue_idempotent = conn->queue_idempotent ?
-			repalloc(conn->queue_idempotent, sizeof(bool) * conn->queue_max) :
+		conn->queue_flags = conn->queue_flags ?
+			repalloc(conn->queue_flags, sizeof(uint8) * conn->queue_max) :
 			palloc(sizeof(bool) * conn->queue_max);
 		conn->queue_tries = conn->queue_tries ?
 			repalloc(conn->queue_tries, sizeof(uint8) * conn->queue_max) :
@@ -1594,7 +1606,7 @@ rl_queue_push(RlConn *conn, int argc, const char **argv,
 		rl_encode(&conn->queue, argc, argv, argvlen);
 	else
 		appendBinaryStringInfo(&conn->queue, encoded, len);
-	conn->queue_idempotent[conn->queue_count] = idempotent;
+	conn->queue_flags[conn->queue_count] = flags;
 	conn->queue_tries[conn->queue_count] = tries;
 	conn->queue_ends[conn->queue_count++] = conn->queue.len;
 	MemoryContextSwitchTo(old);
@@ -1617,7 +1629,7 @@ rl_conn_hand_over(RlConn *from, RlConn *to)
 		size_t		off = rl_queue_offset(from, k);
 
 		rl_queue_push(to, 0, NULL, NULL, from->queue.data + off,
-					  from->queue_ends[k] - off, from->queue_idempotent[k],
+					  from->queue_ends[k] - off, from->queue_flags[k],
 					  from->queue_tries[k]);
 	}
 	rl_queue_remove(from, 0, from->queue_count);
@@ -1711,7 +1723,7 @@ rl_conn_hand_to_worker(RlConn *conn, TimestampTz deadline)
 
 		work.host = conn->host;
 		work.port = conn->port;
-		work.idempotent = conn->queue_idempotent[0];
+		work.flags = conn->queue_flags[0];
 		work.encoded = cmd;
 		work.len = len;
 		work.script_len = 0;
@@ -1745,7 +1757,7 @@ rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
 	if (body == NULL)
 	{
 		rl_queue_push(conn, 0, NULL, NULL, work->encoded, work->len,
-					  work->idempotent, 0);
+					  work->flags, 0);
 		return;
 	}
 	initStringInfo(&buf);
@@ -1754,7 +1766,7 @@ rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
 	appendBinaryStringInfo(&buf, body, work->script_len);
 	appendBinaryStringInfo(&buf, "\r\n", 2);
 	appendBinaryStringInfo(&buf, work->encoded, work->len);
-	rl_queue_push(conn, 0, NULL, NULL, buf.data, buf.len, work->idempotent, 0);
+	rl_queue_push(conn, 0, NULL, NULL, buf.data, buf.len, work->flags, 0);
 	pfree(buf.data);
 }
 
