@@ -128,6 +128,7 @@ static bool exit_registered = false;
 
 /* what this session logged once */
 static bool full_logged = false;
+static bool no_worker_logged = false;
 static bool large_logged = false;
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
@@ -465,7 +466,18 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 
 	*used = false;
 	if (!rl_shared_usable(settings, &gen, &worker))
+	{
+		/* a worker that should be there and is not: said once per session */
+		if (rl_transport == RL_TRANSPORT_SHARED && queue != NULL && !am_worker &&
+			pg_atomic_read_u64(&queue->worker_gen) == 0 && !no_worker_logged)
+		{
+			ereport(LOG,
+					(errmsg("rl_redis: the rl_redis worker is not running; this session's calls use its own connection meanwhile")));
+			no_worker_logged = true;
+		}
 		return NULL;
+	}
+	no_worker_logged = false;
 	rl_register_session_exit();
 	slot = rl_claim_slot();
 	waiting_slot = slot;
