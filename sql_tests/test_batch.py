@@ -18,6 +18,14 @@ command_timeout bounding each wait of a long batch, SCRIPT FLUSH between batches
 identities on 3 masters, one connection per master), rl_redis_stats and
 rl_redis.track_denials.
 
+Regressions of the 1.5 review: SCRIPT FLUSH before a batch of 200 000
+identities under on_error = 'deny' (every NOSCRIPT call goes again in one
+more pipeline: all allowed, at most one WARNING); the backend's peak memory
+(VmHWM from /proc) over a batch of 1 000 000 identities (< 150 MB more:
+pipeline rounds of about 10 000 keys); track_denials over 200 000 copies
+of one denied identity (counted per distinct identity: no command holds
+Redis 50 ms, by its slow log; rl_top_denied shows 200 000).
+
 Single-session tests freeze time with rl_redis.test_clock_ms (superuser
 sessions); the concurrent test freezes it in every session too, so that
 every count is exact. Tests that break or inspect a Redis get their own
@@ -875,6 +883,84 @@ def test_script_flush_between_batches(redis_factory, algorithm):
         conn.close()
 
 
+def test_script_flush_before_a_large_batch_under_deny(redis_factory, policies):
+    """on_error = 'deny', command_timeout 500 ms: SCRIPT FLUSH after a first
+    batch (the connection knows the script), then rl_check_many of 200 000
+    fresh identities (lim 1 000 000): the calls Redis answers NOSCRIPT go
+    again in one more pipeline (the script sent first), so every identity
+    is allowed and counted once, with at most one WARNING. They used to go
+    again one by one until command_timeout, and about half the batch was
+    denied by the fallback, with hundreds of warnings."""
+    n = 200000
+    r = redis_factory()
+    policy = policies("fixed", 1000000, 3600000)
+    conn = pg_connect()
+    try:
+        warnings = collect_warnings(conn)
+        use_redis(conn, r, test_clock_ms=TEST_CLOCK_MS, on_error="deny", command_timeout=500)
+        base = new_ident("flushbig")
+        assert check_many(conn, policy, [base])[0][1:4] == (True, 1000000, 999999)
+        noscript_before = error_count(r, "NOSCRIPT")
+        r.command("SCRIPT", "FLUSH")
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE allowed), count(*) FILTER (WHERE NOT allowed), "
+            "count(*) FILTER (WHERE remaining = 999999) "
+            "FROM rl_check_many(%s, ARRAY(SELECT %s || ':' || i FROM generate_series(1, %s) i))",
+            (policy, base, n)).fetchone()
+        assert row == (n, 0, n)
+        assert len(warnings()) <= 1, "%d warnings, the first: %r" % (len(warnings()), warnings()[:1])
+        assert error_count(r, "NOSCRIPT") > noscript_before  # the path was taken
+        assert r.command("DBSIZE") == n + 1
+        for i in (1, 2, n // 2, n - 1, n):
+            key = rl_key("fixed", "%s:%d" % (base, i), policy=policy)
+            assert r.command("HGET", key, "n") == "1", i
+    finally:
+        conn.close()
+
+
+def vm_hwm_kb(pid):
+    """The peak resident set size of a process, from /proc (the tests run as
+    root or as the cluster owner)."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM for process %d" % pid)
+
+
+def test_memory_of_a_million_identities(redis_factory, policies):
+    """rl_check_many of 1 000 000 distinct identities (a fixed window, lim
+    1 000) on a Redis of its own: all allowed, and the backend's peak
+    resident memory (VmHWM) grows by less than 150 MB over the statement
+    (it grew by about 680 MB when the hiredis replies of the whole batch
+    were held at once). The growth of a statement that only builds the
+    same array is measured first and shown with a failure."""
+    n = 1000000
+    r = redis_factory()
+    policy = policies("fixed", 1000, 3600000)
+    conn = pg_connect()
+    try:
+        use_redis(conn, r, test_clock_ms=TEST_CLOCK_MS)
+        assert check_many(conn, policy, ["warm"])[0][1] is True  # library, connection, script
+        pid = conn.info.backend_pid
+        before = vm_hwm_kb(pid)
+        array = "ARRAY(SELECT 'u' || i FROM generate_series(1, %d) i)" % n
+        assert conn.execute("SELECT count(*) FROM unnest(%s) u" % array).fetchone()[0] == n
+        array_only = vm_hwm_kb(pid) - before
+        t0 = time.monotonic()
+        row = conn.execute("SELECT count(*) FILTER (WHERE allowed), count(*) FILTER (WHERE remaining = 999) "
+                           "FROM rl_check_many(%%s, %s)" % array, (policy,)).fetchone()
+        elapsed = time.monotonic() - t0
+        grown = vm_hwm_kb(pid) - before
+        assert row == (n, n)
+        assert grown < 150 * 1024, (
+            "VmHWM grew by %d MB over the batch (%.1f s); building the array alone: %d MB"
+            % (grown // 1024, elapsed, array_only // 1024))
+        assert r.command("DBSIZE") == n + 1
+    finally:
+        conn.close()
+
+
 # ---------------------------------------------------------------- cluster
 
 
@@ -1084,3 +1170,39 @@ def test_track_denials_counts_every_denied_identity(clock, policies, shared_redi
     minute = TEST_CLOCK_MS // 60000
     bucket = "rl:denials:{%s}:%d" % (policy, minute)
     assert int(float(shared_redis.command("ZSCORE", bucket, ids[0]))) == 6
+
+
+def test_track_denials_of_a_huge_batch_hold_redis_briefly(redis_factory, policies):
+    """track_denials on, a policy of lim 1 whose one identity is exhausted
+    first: a batch of 200 000 copies of it is denied 200 000 times, counted
+    in one script call (each distinct identity once, with its number), and
+    rl_top_denied shows the identity with 200 000 denials. No command held
+    Redis 50 ms or more (its slow log, every command logged): the denials
+    used to go one argument each in one call, which held Redis about 0.5 s."""
+    n = 200000
+    r = redis_factory(extra_args=["--slowlog-log-slower-than", "0", "--slowlog-max-len", "1000000"])
+    policy = policies("fixed", 1, 3600000)
+    conn = pg_connect()
+    try:
+        use_redis(conn, r, test_clock_ms=TEST_CLOCK_MS, track_denials="on")
+        ident = new_ident("huge")
+        assert check(conn, policy, ident)[1:4] == (True, 1, 0)
+        r.command("SLOWLOG", "RESET")
+        row = conn.execute("SELECT count(*) FILTER (WHERE allowed), count(*) FILTER (WHERE NOT allowed) "
+                           "FROM rl_check_many(%s, array_fill(%s::text, ARRAY[%s]))",
+                           (policy, ident, n)).fetchone()
+        assert row == (0, n)
+        # (Redis 7.0 logs the commands a script runs too: 200 000 HMGETs)
+        log = r.command("SLOWLOG", "GET", "1000000")
+        assert len(log) < 1000000  # the whole statement is in it
+        notes = [e for e in log if e[3][0].lower() in ("eval", "evalsha")
+                 and len(e[3]) > 3 and e[3][3].startswith("rl:denials:")]
+        # one call (an EVALSHA answered NOSCRIPT may come before it)
+        assert 1 <= len(notes) <= 2, [e[3][:4] for e in notes]
+        longest = max(log, key=lambda e: e[2])
+        assert longest[2] < 50000, "%d us: %r" % (longest[2], longest[3][:4])
+        top = conn.execute("SELECT identity, denials FROM rl_top_denied(%s, '10 minutes', 10)",
+                           (policy,)).fetchall()
+        assert top == [(ident, n)]
+    finally:
+        conn.close()

@@ -5,7 +5,9 @@ guards and refunds with identities spread over all three masters; MOVED
 refunds) whose slot moved, a live slot migration under load, a call lost
 after it was sent (never sent twice), a manual failover under load and a
 master killed with SIGKILL. Also the settings' validation (rl_redis.mode,
-rl_redis.nodes).
+rl_redis.nodes), and a cross-slot statement guard ended by
+statement_timeout while one master is held by CLIENT PAUSE: it reads every
+master's reply first, so its rollback gives back every unit.
 
 The tests that move slots share the module's cluster (redis_cluster): they
 leave every node running, and every test finds where its identities live
@@ -413,6 +415,50 @@ def test_statement_guard_denial_in_one_slot_gives_back_the_others(
     # the statements did charge other masters before the denial (else this
     # test proved nothing): some master other than the victim's saw scripts
     assert reached_other_masters > 0
+
+
+def test_statement_guard_timeout_waits_for_every_slot(sessions, policies, tables, redis_cluster):
+    """statement_timeout 200 ms, command_timeout 2000 ms: an INSERT of 12
+    tenants on the 3 masters through rl_guard_statement while one master is
+    held by CLIENT PAUSE 1000. The guard reads every master's reply before
+    serving the timeout (a cancel while calls are out used to leave the
+    unread slots charged, unknowably): the statement fails with 57014 once
+    the paused master has answered (after about 1 s, within 5 s), and its
+    rollback gives every unit back: every tenant's key on every master has
+    its full quota, and every master ran the statement's calls. Once with
+    each master paused."""
+    lim = 5
+    policy = policies("fixed", lim, 60000)
+    table = tables("CREATE TRIGGER g AFTER INSERT ON {table} REFERENCING NEW TABLE AS n "
+                   "FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('%s', 'tenant')" % policy)
+    conn = sessions(redis_cluster, test_clock_ms=TEST_CLOCK_MS, command_timeout=2000)
+    insert = "INSERT INTO %s (tenant) SELECT unnest(%%s::text[])" % table
+    masters = redis_cluster.masters()
+    for run, paused in enumerate(masters):
+        tenants, where = spread(redis_cluster, "stmto%d" % run, 4)
+        # connections, slot map and scripts in place on every master
+        assert [remaining(conn, policy, t) for t in tenants] == [lim] * len(tenants)
+        before = {m.port: m.script_calls() for m in masters}
+        conn.execute("SET statement_timeout = 200")
+        try:
+            paused.command("CLIENT", "PAUSE", "1000")
+            t0 = time.monotonic()
+            state, msg = sqlstate_of(conn, insert, (tenants,))
+            elapsed = time.monotonic() - t0
+        finally:
+            conn.execute("RESET statement_timeout")
+        # every master, the paused one too, had run the statement's call
+        after = {m.port: m.script_calls() for m in masters}
+        assert state == "57014", msg
+        assert 0.7 <= elapsed < 5.0, (run, elapsed)
+        assert all(after[p] > before[p] for p in before), (run, before, after)
+        time.sleep(max(0.0, t0 + 1.2 - time.monotonic()))  # the pause is over
+        left = {t: remaining(conn, policy, t) for t in tenants}
+        assert left == dict.fromkeys(tenants, lim), (run, paused, left)
+        for t in tenants:
+            key = rl_key("fixed", t, policy=policy)
+            assert where[t].command("HGET", key, "n") in (None, "0"), (run, t, where[t])
+    assert conn.execute("SELECT count(*) FROM %s" % table).fetchone()[0] == 0
 
 
 def idents_on(cluster, master, tag, n):

@@ -20,7 +20,13 @@ and rl_check_all neither use nor feed the cache.
 A refund bumps the counter before it reaches Redis; one test stops Redis
 to make a lookup fall between the two (the call that misses the cache runs
 in Redis before the refund) and checks that the pre-refund denial does not
-stay remembered afterwards.
+stay remembered afterwards. Another puts a TCP proxy that holds Redis's
+replies 1 s (DelayingProxy, a thread) in front of one session, so that a
+refund lands between its call's sending and its reply: a denial is stored
+only when no refund or reset came between. Only work that gives units back
+empties the caches: a forget call (a token bucket charge committed under
+refund_on_abort = 'all') or a concurrency slot released at COMMIT does
+not.
 
 Every test but the wall-clock one freezes time with rl_redis.test_clock_ms
 (the cache's clock too), and every test that says whether Redis was asked
@@ -30,6 +36,7 @@ with and without the cache side by side and predicts the cache exactly.
 """
 
 import random
+import socket
 import threading
 import time
 import uuid
@@ -41,7 +48,7 @@ import pytest
 from psycopg import sql
 
 from conftest import new_ident, pg_connect, rl_key, set_gucs, use_redis
-from redis_topology import made_policies
+from redis_topology import made_policies, wait_for
 from test_batch import Victim, wait_until_active
 from test_stats import unpreloaded_cluster  # noqa: F401  (a fixture)
 
@@ -642,6 +649,150 @@ def test_refund_landing_after_a_lookup_is_not_lost(sessions, redis_factory, pg):
     assert int(taken or 0) == (1 if raced[0] else 0), (raced, taken)
     row = decide(b, "fixed", ident, 1, 60000)
     assert (scripts.new(), row[0]) == (1, not raced[0]), (raced, row)
+
+
+class DelayingProxy:
+    """A TCP proxy on 127.0.0.1:<port> in front of a Redis: what a client
+    sends goes on at once, what Redis answers is held `delay` seconds
+    before it goes back. Has .port and .unix_socket (None), like a
+    RedisServer, for use_redis; close() ends it."""
+
+    def __init__(self, target_port, delay):
+        self.target_port, self.delay = target_port, delay
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.unix_socket = None
+        self.sockets = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self.sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, 0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst, delay):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if delay:
+                    time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.listener.close()
+        for s in self.sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def test_denial_decided_before_a_refund_is_not_remembered(sessions, pg):
+    """A refund landing while a denial is on its way back: S1
+    (refund_on_abort = 'all') takes the one unit (lim 1) in a transaction;
+    S2 (cache on) reaches Redis through a proxy that holds every reply 1 s.
+    Redis denies S2's call at once (the unit is S1's), and while the reply
+    is held S1 rolls back (the unit is back in Redis). A refund came
+    between the call's sending and its reply, so the denial is not
+    remembered: S2's next call goes to Redis and is allowed (it used to be
+    denied from the cache, without Redis, until the window's end)."""
+    s1 = sessions(cache=False, refund_on_abort="all")
+    r = sessions.redis
+    proxy = DelayingProxy(r.port, 1.0)
+    try:
+        s2 = sessions(proxy, command_timeout=10000, connect_timeout=10000)
+        ident = new_ident("inflight")
+        key = rl_key("fixed", ident, lim=1, window_ms=60000)
+        query = ("SELECT (r).allowed, (r).lim, (r).remaining, (r).reset_ms, (r).retry_after_ms "
+                 "FROM rl_fixed(%s, 1, 60000) r")
+        scripts = Scripts(r)
+        s1.execute("BEGIN")
+        assert decide(s1, "fixed", ident, 1, 60000) == (True, 1, 0, 60000, 0)
+        assert scripts.new() == 1
+        racer = Victim(s2, query, (ident,))
+        racer.start()
+        wait_for(lambda: script_calls(r) > scripts.seen, 10.0, "S2's call to run in Redis")
+        assert scripts.new() == 1
+        s1.execute("ROLLBACK")
+        wait_for(lambda: r.command("HGET", key, "n") in (None, "0"), 0.5, "the refund in Redis")
+        refunded = time.monotonic()
+        scripts.new()  # the refund (a script too)
+        racer.join(timeout=30)
+        assert not racer.is_alive() and racer.error is None, racer.error
+        assert racer.finished > refunded  # the denial came back after the refund
+        assert tuple(racer.rows[0]) == (False, 1, 0, 60000, 60000)
+        assert scripts.new() == 0
+        row = decide(s2, "fixed", ident, 1, 60000)
+        assert (scripts.new(), row) == (1, (True, 1, 0, 60000, 0))
+        assert r.command("HGET", key, "n") == "1"
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("work", ["forget", "release"])
+def test_work_that_gives_nothing_back_keeps_the_cache(sessions, work):
+    """A remembered denial stays when another session's transaction end
+    gives no units back: 'forget', a token bucket charge committed under
+    refund_on_abort = 'all' (its refund record is forgotten at COMMIT);
+    'release', a concurrency slot released at COMMIT. Once that session's
+    next call has read the replies of its transaction end, the cached
+    session's next call still makes no script call (such work used to empty
+    every cache). A refund (that session's ROLLBACK of a charge) then does
+    empty it: the next call goes to Redis."""
+    a = sessions()
+    b = sessions(cache=False, refund_on_abort="all")
+    r = sessions.redis
+    ident, other = new_ident("keep"), new_ident("keepo")
+    assert [decide(a, "fixed", ident, 1, 60000)[0] for _ in range(2)] == [True, False]
+    scripts = Scripts(r)
+    assert decide(a, "fixed", ident, 1, 60000) == (False, 1, 0, 60000, 60000)
+    assert scripts.new() == 0
+
+    b.execute("BEGIN")
+    if work == "forget":
+        assert decide(b, "token_bucket", other, 100, 60000)[:3] == (True, 100, 99)
+    else:
+        assert b.execute("SELECT (r).allowed FROM rl_concurrency_acquire(%s, 3, 60000) r",
+                         (other,)).fetchone() == (True,)
+    b.execute("COMMIT")
+    # b's next call reads what its transaction end sent
+    assert decide(b, "fixed", new_ident("peek"), 5, 60000, 0)[:3] == (True, 5, 5)
+    if work == "forget":
+        assert decide(b, "token_bucket", other, 100, 60000, 0)[2] == 99  # kept
+    else:
+        key = rl_key("concurrency", other, lim=3, window_ms=60000)
+        assert r.command("ZCARD", key) == 0  # the slot was given back
+    scripts.new()
+    at(a, 1000)
+    assert decide(a, "fixed", ident, 1, 60000) == (False, 1, 0, 59000, 59000)
+    assert scripts.new() == 0
+
+    b.execute("BEGIN")
+    assert decide(b, "fixed", new_ident("refunded"), 1, 60000)[0] is True
+    b.execute("ROLLBACK")
+    scripts.new()
+    assert decide(a, "fixed", ident, 1, 60000) == (False, 1, 0, 59000, 59000)
+    assert scripts.new() == 1
 
 
 def test_policy_limit_changed(sessions, policies, pg):

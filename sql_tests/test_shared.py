@@ -29,13 +29,24 @@ queue; the worker reconnecting (SCRIPT FLUSH, Redis restarted, CLIENT
 KILL), its idle_timeout and a reload that moves it to another Redis; no
 worker at all (library not preloaded).
 
-These tests start throwaway PostgreSQL servers that preload rl_redis and
-point at a Redis of their own, so that CLIENT LIST counts exactly the
+Regressions of the 1.5 review: with transport = shared in postgresql.conf
+(the worker reads it too) the worker's own NOSCRIPT retries go on its own
+connection, not into its own queue (a call after SCRIPT FLUSH answers
+within 500 ms), and several scripts Redis does not know in one worker
+round (3 sessions, fixed, sliding and gcra, Redis held by CLIENT PAUSE)
+each go as EVAL, after a new worker or a SCRIPT FLUSH; the rollback refund
+of 300 keys is cut to what a slot holds and handed to the worker (every
+key's quota back, the session never connected); rl_redis.shared_queue_size
+in the postgresql.conf of a server without preloading warns no session.
+
+These tests start throwaway PostgreSQL servers that preload rl_redis (but
+one) and point at a Redis of their own, so that CLIENT LIST counts exactly the
 connections of that server's processes (matched by local port through
 /proc: the tests run as root or as the cluster owner):
   shared_server   one per module, max_connections 150 (the 100-session test)
-  clusters        per test, for tests that pause Redis, kill the worker or
-                  shrink the queue
+  clusters        per test, for tests that pause Redis, kill the worker,
+                  shrink the queue, set the transport in postgresql.conf or
+                  do not preload
 The worker is found among the postmaster's children by its command line;
 pg_terminate_backend() cannot end it (it is not a backend of the proc
 array), so the tests send it SIGTERM. Decisions are made on a frozen clock
@@ -73,12 +84,13 @@ WORKER_EXITED = "the rl_redis worker exited while a call to Redis was on its way
 
 
 class PgServer:
-    """A throwaway PostgreSQL that preloads rl_redis, with rl_redis.host and
-    port pointing at `redis`, retry_interval 0 (no circuit breaker) and
-    rl_redis.<name> = 'value' for each of conf; the extension is created in
-    database postgres. remove() stops it and deletes its folder."""
+    """A throwaway PostgreSQL that preloads rl_redis (unless preload is
+    false), with rl_redis.host and port pointing at `redis`, retry_interval
+    0 (no circuit breaker) and rl_redis.<name> = 'value' for each of conf;
+    the extension is created in database postgres. remove() stops it and
+    deletes its folder."""
 
-    def __init__(self, redis, max_connections=20, **conf):
+    def __init__(self, redis, max_connections=20, preload=True, **conf):
         self.redis = redis
         self.base = os.path.join(os.environ["RL_DIR"], "shared-%s" % uuid.uuid4().hex[:8])
         os.makedirs(self.base)
@@ -99,8 +111,8 @@ class PgServer:
         with open(os.path.join(self.datadir, "postgresql.conf"), "a") as f:
             f.write("port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"
                     "fsync = off\nshared_buffers = 16MB\nmax_connections = %d\n"
-                    "shared_preload_libraries = 'rl_redis'\n"
-                    % (self.port, self.base, max_connections))
+                    "shared_preload_libraries = '%s'\n"
+                    % (self.port, self.base, max_connections, "rl_redis" if preload else ""))
             for name, value in settings.items():
                 f.write("%s = '%s'\n" % (name, value))
         try:
@@ -337,9 +349,9 @@ def sessions(shared_server):
 
 @pytest.fixture
 def clusters(redis_factory):
-    """clusters(max_connections=20, **conf) -> (PgServer, its RedisServer):
-    a new preloaded server on a new Redis with rl_redis.<k> = v of conf,
-    for one test (removed at teardown)."""
+    """clusters(max_connections=20, preload=True, **conf) -> (PgServer, its
+    RedisServer): a new (preloaded) server on a new Redis with
+    rl_redis.<k> = v of conf, for one test (removed at teardown)."""
     made = []
 
     def make(**conf):
@@ -607,6 +619,39 @@ def test_refund_on_abort_handed_to_the_worker(shared_server, sessions, policies,
     assert conn.info.backend_pid not in shared_server.clients()
 
 
+def test_refund_of_300_keys_handed_to_the_worker(shared_server, sessions, policies):
+    """refund_on_abort = 'all', shared, no connection of the session's own:
+    300 keys charged in one transaction (single rl_allow calls, through the
+    worker) and rolled back. The refund of 300 keys is far more than a slot
+    of the queue holds: it is cut into calls that fit a slot and handed to
+    the worker (it used to wait for a connection the session never opens,
+    and was lost when the session ended). Once the session has ended, every
+    key has its full quota again; the session never opened a connection of
+    its own, and got no WARNING."""
+    lim = 5
+    policy = policies("fixed", lim, CENTURY_MS)
+    conn = sessions(1, transport="shared", refund_on_abort="all")[0]
+    backend = sessions(1, transport="backend")[0]
+    notices = []
+    conn.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.message_primary)))
+    base = new_ident("refund300")
+    idents = ["%s:%03d" % (base, i) for i in range(300)]
+    peek = "SELECT remaining FROM rl_check_many(%s, %s::text[], 0)"
+    pid = conn.info.backend_pid
+    conn.execute("BEGIN")
+    charged = conn.execute("SELECT count(*) FROM unnest(%s::text[]) AS i WHERE rl_allow(%s, i)",
+                           (idents, policy)).fetchone()[0]
+    assert charged == 300
+    assert [r[0] for r in backend.execute(peek, (policy, idents)).fetchall()] == [lim - 1] * 300
+    conn.execute("ROLLBACK")
+    assert not own_connection_open(conn)
+    assert pid not in shared_server.clients()
+    close_and_wait([conn])
+    left = [r[0] for r in backend.execute(peek, (policy, idents)).fetchall()]
+    assert left == [lim] * 300, "%d of 300 keys not given back" % sum(1 for x in left if x != lim)
+    assert [n for n in notices if n[0] == "WARNING"] == []
+
+
 # ------------------------------------------------------- settings mismatch
 
 
@@ -798,6 +843,90 @@ def test_worker_reconnects(clusters):
         assert [own_connection_open(c) for c in conns] == [False] * len(conns)
     finally:
         for c in conns:
+            c.close()
+
+
+def test_worker_retries_on_its_own_connection(clusters):
+    """rl_redis.transport = shared in postgresql.conf, so that the worker
+    reads it too. After SCRIPT FLUSH the worker's call gets NOSCRIPT and
+    goes again on the worker's own connection, never into the worker's own
+    queue (where it waited for itself connect_timeout + command_timeout =
+    4 s, and failed). Three times: SCRIPT FLUSH, then a call that returns
+    its exact decision within 500 ms; all through the worker, nothing in
+    the server's log about a timeout."""
+    server, redis = clusters(transport="shared")
+    conn = server.connect(test_clock_ms=TEST_CLOCK_MS)
+    try:
+        assert conn.execute("SHOW rl_redis.transport").fetchone()[0] == "shared"
+        ident = new_ident("selfretry")
+        reset = 60000 - TEST_CLOCK_MS % 60000
+        assert explicit(conn, "fixed", ident, 10, 60000) == (True, 10, 9, reset, 0)
+        worker = server.worker_pid()
+        assert server.clients() == {worker: 1}
+        for k in range(3):
+            redis.command("SCRIPT", "FLUSH")
+            t0 = time.monotonic()
+            row = explicit(conn, "fixed", ident, 10, 60000)
+            elapsed = time.monotonic() - t0
+            assert row == (True, 10, 8 - k, reset, 0), k
+            assert elapsed < 0.5, (k, elapsed)
+        assert server.clients() == {worker: 1}
+        assert not own_connection_open(conn)
+        assert "timed out" not in server.log()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("lose", ["restart", "flush"])
+def test_unknown_scripts_in_one_worker_round(clusters, lose):
+    """rl_redis.transport = shared in postgresql.conf. The worker's
+    connection knows none of the scripts Redis lacks (restart: a new worker
+    after SIGTERM, and SCRIPT FLUSH) or believes it knows them all (flush:
+    SCRIPT FLUSH after every script ran). Redis held by CLIENT PAUSE 1000,
+    3 sessions call fixed, sliding and gcra at once, so that scripts Redis
+    does not know go together in one worker round (each must go as EVAL,
+    not only the first of the round). Each session gets its exact decision
+    (the row of a backend session) within 1.5 s of the pause's end, through
+    the worker; nothing in the server's log about a timeout."""
+    server, redis = clusters(transport="shared")
+    algorithms = ["fixed", "sliding", "gcra"]
+    admin = server.connect()
+    conns = [server.connect(test_clock_ms=TEST_CLOCK_MS) for _ in algorithms]
+    ref = server.connect(transport="backend", test_clock_ms=TEST_CLOCK_MS)
+    base = new_ident("round")
+    try:
+        for a, c in zip(algorithms, conns):  # every script ran through the worker
+            assert explicit(c, a, "%s:warm" % base, 10, 60000)[:3] == (True, 10, 9)
+        worker = server.worker_pid()
+        if lose == "restart":
+            os.kill(worker, signal.SIGTERM)
+            new = wait_for(lambda: [p for p in server.worker_pids() if p != worker], 10.0,
+                           "a new worker")
+            worker = new[0]
+        redis.command("SCRIPT", "FLUSH")
+        pause_s = 1.0
+        redis.command("CLIENT", "PAUSE", str(int(pause_s * 1000)))
+        t_pause = time.monotonic()
+        calls = [Call(c, "SELECT %s FROM rl_%s(%%s, 10, 60000) AS r" % (COLS, a),
+                      ("%s:%s" % (base, a),)) for a, c in zip(algorithms, conns)]
+        for call in calls:
+            call.start()
+        wait_all_waiting(admin, [c.info.backend_pid for c in conns])
+        assert time.monotonic() - t_pause < pause_s, "the calls were not all queued within the pause"
+        for call in calls:
+            call.join(20)
+        assert not any(call.is_alive() for call in calls)
+        assert [call.error for call in calls] == [None] * 3, [str(call.error) for call in calls]
+        late = [round(call.finished - t_pause - pause_s, 3) for call in calls]
+        assert max(late) < 1.5, late
+        want = [explicit(ref, a, "%s:ref:%s" % (base, a), 10, 60000) for a in algorithms]
+        assert [tuple(call.rows[0]) for call in calls] == want
+        assert [w[:3] for w in want] == [(True, 10, 9)] * 3
+        clients = server.clients()
+        assert clients.get(worker) == 1 and not any(clients.get(c.info.backend_pid) for c in conns), clients
+        assert "timed out" not in server.log()
+    finally:
+        for c in conns + [admin, ref]:
             c.close()
 
 
@@ -1141,3 +1270,29 @@ def test_without_worker_uses_own_connection(unpreloaded_cluster, shared_redis):
         assert redis_clients(shared_redis, [pid]) == {pid: 1}
     finally:
         conn.close()
+
+
+def test_queue_size_setting_without_preloading(clusters):
+    """A server without rl_redis in shared_preload_libraries whose
+    postgresql.conf sets rl_redis.shared_queue_size = 64: a session's first
+    rl_redis call (which loads the library) gives no WARNING (every session
+    used to be warned of an invalid configuration parameter name), the
+    setting shows 64, there is no worker, and the call decides on the
+    session's own connection. Twice, in two new sessions."""
+    server, redis = clusters(preload=False, shared_queue_size=64)
+    assert server.worker_pids() == []
+    for k in range(2):
+        conn = server.connect()
+        try:
+            notices = []
+            conn.add_notice_handler(
+                lambda d: notices.append((d.severity_nonlocalized, d.message_primary)))
+            ident = new_ident("qsize")
+            assert conn.execute("SELECT (r).allowed, (r).lim, (r).remaining FROM rl_fixed(%s, 5, 60000) r",
+                                (ident,)).fetchone() == (True, 5, 4)
+            assert [n for n in notices if n[0] == "WARNING"] == [], notices
+            assert conn.execute("SHOW rl_redis.shared_queue_size").fetchone()[0] == "64"
+            assert own_connection_open(conn)
+            assert server.worker_pids() == []
+        finally:
+            conn.close()

@@ -757,15 +757,41 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
  */
 #define RL_BATCH_ROUND 10000
 
-/* A key of a batch and its place in the caller's array. */
+/* A key of a batch: its cluster slot and its place in the caller's array. */
 typedef struct RlBatchKey
 {
-	StringInfo	key;			/* points at view */
-	StringInfoData view;		/* of the key's bytes in the batch's buffer */
-	int			offset;			/* where they are in that buffer */
 	int			slot;
 	int			index;
 } RlBatchKey;
+
+/* A batch decision (rl_decide_batch) while it is sent. */
+typedef struct RlBatch
+{
+	const RlLimit *limit;
+	int32		cost;
+	RlBatchKey *keys;			/* by slot in cluster mode, else in order */
+	const char *suffix;			/* of every key: the policy or the limit */
+	/* the keys of the round being sent: keys[round_from + j] is round_key[j] */
+	int			round_from;
+	StringInfoData round_buf;
+	const char **round_key;
+	int		   *round_len;
+	int		   *first;			/* a call's first key in keys */
+	int		   *size;			/* and how many */
+	RlCall	   *calls;			/* one per run of keys of one slot */
+	RlFailure  *failures;		/* of each call; sqlerrcode 0: none */
+	int			ncalls;
+	RlDecision *d;				/* the decisions, in the caller's order */
+	bool	   *bad;			/* no decision from Redis for that one */
+	text	  **identities;		/* the caller's */
+	text	  **denied;			/* denied identities, or NULL: not wanted */
+	int			ndenied;
+	/* the arguments after the keys, the same for every call */
+	const char *args[7];
+	size_t		argslen[7];
+	char		numbers[4][24];
+	char		clock[24];
+} RlBatch;
 
 /* qsort order of RlBatchKey: by slot, then as the caller gave them */
 static int
@@ -780,15 +806,16 @@ rl_batch_key_cmp(const void *a, const void *b)
 }
 
 /*
- * Turns the reply of a batch script call of n keys into d[keys[j].index]
- * and frees it. A key Redis could not decide (its value is of another
+ * Turns the reply of a batch script call of n keys (keydata[j], keylen[j])
+ * into d[keys[j].index] and frees it. A key Redis could not decide (its value is of another
  * type: run_many.lua returns the error in place of its numbers) gets
  * bad[keys[j].index] set and, the first such, its error in *failure. False,
  * with failure filled in, when the reply is an error or not what
  * run_many.lua returns: then no key was decided.
  */
 static bool
-rl_parse_batch(RlConn *conn, redisReply *reply, RlBatchKey *keys, int n,
+rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
+			   const char **keydata, const int *keylen, int n,
 			   RlDecision *d, bool *bad, RlFailure *failure)
 {
 	size_t		i;
@@ -828,8 +855,8 @@ rl_parse_batch(RlConn *conn, redisReply *reply, RlBatchKey *keys, int n,
 				failure->breaker_opened = false;
 				snprintf(failure->message, sizeof(failure->message),
 						 "Redis at %s could not decide on key \"%.*s\": %.*s",
-						 rl_conn_name(conn), Min(keys[j].key->len, 200),
-						 keys[j].key->data, Min((int) e[0]->len, 200), e[0]->str);
+						 rl_conn_name(conn), Min(keylen[j], 200),
+						 keydata[j], Min((int) e[0]->len, 200), e[0]->str);
 			}
 			bad[keys[j].index] = true;
 			continue;
@@ -858,228 +885,261 @@ bad:
 	return false;
 }
 
-/*
- * Takes in the replies of a batch's calls (rl_decide_batch): fills the
- * decisions of the keys that got one, counts them, remembers allowed
- * charges for a refund on abort and puts the denied ones of identities in
- * denied[] (when not NULL; returns how many); frees the replies. With
- * failures NULL (an interrupt ended the calls), the calls with no reply are
- * passed over; else bad[i] is set for each key Redis gave no decision and
- * failures[c] is the failure of call c (sqlerrcode 0: none). Raises only
- * when out of memory.
- */
-static int
-rl_batch_results(const RlLimit *limit, RlBatchKey *keys, RlCall *calls,
-				 int *first, int *size, int ncalls, int32 cost, int64 rtt,
-				 RlDecision *d, bool *bad, RlFailure *failures,
-				 text **identities, text **denied)
+/* A key as a StringInfo (not to be appended to), for the callees. */
+static StringInfoData
+rl_key_info(const char *data, int len)
 {
-	int			ndenied = 0;
+	StringInfoData info;
+
+	info.data = (char *) data;
+	info.len = len;
+	info.maxlen = len + 1;
+	info.cursor = 0;
+	return info;
+}
+
+/*
+ * Takes in the replies of the calls from..from+n-1 of a batch: fills the
+ * decisions of the keys that got one, counts them, remembers allowed
+ * charges for a refund on abort and notes the denied identities; frees
+ * the replies and the calls' arguments. With interrupted (an interrupt
+ * ended rl_call_many), the calls with no reply are passed over; else
+ * bad[] is set for each key Redis gave no decision and failures[] filled
+ * in. Raises only when out of memory.
+ */
+static void
+rl_batch_results(RlBatch *b, int from, int n, int64 rtt, bool interrupted)
+{
 	int			c;
 	int			j;
 
-	for (c = 0; c < ncalls; c++)
+	for (c = from; c < from + n; c++)
 	{
-		RlFailure	failure = calls[c].failure;
+		RlCall	   *call = &b->calls[c];
+		RlFailure	failure = call->failure;
 		bool		ok;
 
-		if (failures == NULL && calls[c].reply == NULL)
+		if (call->argv != NULL)
+		{
+			pfree(call->argv);
+			pfree(call->argvlen);
+			call->argv = NULL;
+		}
+		if (interrupted && call->reply == NULL)
 			continue;
-		if (calls[c].reply != NULL)
+		if (call->reply != NULL)
 			failure.sqlerrcode = 0;
-		ok = calls[c].reply != NULL &&
-			rl_parse_batch(calls[c].conn, calls[c].reply, keys + first[c],
-						   size[c], d, bad, &failure);
-		calls[c].reply = NULL;
+		ok = call->reply != NULL &&
+			rl_parse_batch(call->conn, call->reply, b->keys + b->first[c],
+						   b->round_key + (b->first[c] - b->round_from),
+						   b->round_len + (b->first[c] - b->round_from),
+						   b->size[c], b->d, b->bad, &failure);
+		call->reply = NULL;
 		if (!ok && failure.sqlerrcode == 0)
 			failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-		if (failures != NULL)
-			failures[c] = failure;
-		for (j = first[c]; j < first[c] + size[c]; j++)
+		b->failures[c] = failure;
+		for (j = b->first[c]; j < b->first[c] + b->size[c]; j++)
 		{
-			RlDecision *r = &d[keys[j].index];
+			const RlBatchKey *k = &b->keys[j];
+			RlDecision *r = &b->d[k->index];
+			const char *kd = b->round_key[j - b->round_from];
+			int			kl = b->round_len[j - b->round_from];
 
 			if (!ok)
-				bad[keys[j].index] = true;
-			if (bad[keys[j].index])
+				b->bad[k->index] = true;
+			if (b->bad[k->index])
 				continue;
-			rl_stats_decided(keys[j].key->data, keys[j].key->len, r, cost, rtt);
-			if (r->allowed && cost > 0)
-				rl_remember_charge(limit, keys[j].key, cost, r->stamp_us,
+			rl_stats_decided(kd, kl, r, b->cost, rtt);
+			if (r->allowed && b->cost > 0)
+			{
+				StringInfoData key = rl_key_info(kd, kl);
+
+				rl_remember_charge(b->limit, &key, b->cost, r->stamp_us,
 								   r->epoch, RL_BY_CALL);
-			else if (!r->allowed && cost > 0 && denied != NULL)
-				denied[ndenied++] = identities[keys[j].index];
+			}
+			else if (!r->allowed && b->cost > 0 && b->denied != NULL)
+				b->denied[b->ndenied++] = b->identities[k->index];
 		}
 	}
-	return ndenied;
 }
 
 /*
- * Sends n calls of a batch (rl_call_many) and takes their replies in
- * (rl_batch_results); returns how many identities they denied. An
- * interrupt takes in the replies read until then (their charges
+ * Sends the calls from..from+n-1 of a batch, one pipeline round
+ * (rl_call_many), their arguments built here, and takes their replies in.
+ * An interrupt takes in the replies read until then (their charges
  * remembered) before its error goes on.
  */
-static int
-rl_batch_round(const RlLimit *limit, RlBatchKey *keys, RlCall *calls,
-			   int *first, int *size, int n, int32 cost, RlDecision *d,
-			   bool *bad, RlFailure *failures, text **identities,
-			   text **denied)
+static void
+rl_batch_round(RlBatch *b, int from, int n)
 {
 	MemoryContext cxt = CurrentMemoryContext;
-	TimestampTz start = GetCurrentTimestamp();
+	TimestampTz start;
+	int			nkeys = b->first[from + n - 1] + b->size[from + n - 1] - b->first[from];
+	int		   *offsets = palloc(sizeof(int) * nkeys);
+	int			c;
+	int			j;
 
-	PG_TRY();
+	/* the round's keys, one after another in one buffer */
+	b->round_from = b->first[from];
+	b->round_key = palloc(sizeof(char *) * nkeys);
+	b->round_len = palloc(sizeof(int) * nkeys);
+	resetStringInfo(&b->round_buf);
+	for (j = 0; j < nkeys; j++)
 	{
-		rl_call_many(calls, n);
+		StringInfo	key = rl_build_key(b->limit->algorithm->name,
+									   b->identities[b->keys[b->round_from + j].index],
+									   b->suffix);
+
+		offsets[j] = b->round_buf.len;
+		b->round_len[j] = key->len;
+		appendBinaryStringInfo(&b->round_buf, key->data, key->len);
 	}
-	PG_CATCH();
-	{
-		MemoryContextSwitchTo(cxt);
-		(void) rl_batch_results(limit, keys, calls, first, size, n, cost,
-								0, d, bad, NULL, identities, NULL);
-		PG_RE_THROW();
-	}
-	PG_END_TRY();
-	return rl_batch_results(limit, keys, calls, first, size, n, cost,
-							rl_stats ? GetCurrentTimestamp() - start : 0,
-							d, bad, failures, identities, denied);
-}
+	for (j = 0; j < nkeys; j++)
+		b->round_key[j] = b->round_buf.data + offsets[j];
+	pfree(offsets);
 
-/*
- * Decides limit for each of n identities on its own, cost units each (not
- * all or nothing: each identity gets its own decision, in d[i]), on the
- * policy's keys (policy not NULL) or the explicit limit's. The keys of one
- * cluster slot go in script calls of at most RL_BATCH_KEYS keys, and all
- * the calls are pipelined (rl_call_many): one round trip per Redis node.
- * The same identity given twice is decided twice, in order. Allowed
- * charges are remembered for a refund on abort, denials of a policy
- * counted for rl_top_denied; the calls Redis gave no decision get
- * rl_redis.on_error, after every reply is in.
- */
-void
-rl_decide_batch(const RlLimit *limit, text **identities, int n,
-				const char *policy, int32 cost, RlDecision *d)
-{
-	RlBatchKey *keys = palloc(sizeof(RlBatchKey) * Max(n, 1));
-	RlCall	   *calls;
-	RlFailure  *failures;
-	int		   *first;
-	int		   *size;
-	int			ncalls = 0;
-	char		suffix[64];
-	char		lim_s[16],
-				window_s[24],
-				burst_s[16],
-				cost_s[16],
-				now_s[24];
-	const char *scopes = cost > 0 ? rl_refund_scopes(RL_BY_CALL) : "";
-	const char *suffix_s = policy ? policy : rl_limit_suffix(limit, suffix);
-	StringInfoData all;
-	text	  **denied = palloc(sizeof(text *) * Max(n, 1));
-	bool	   *bad = palloc0(sizeof(bool) * Max(n, 1));
-	int			ndenied;
-	int			i,
-				j,
-				c;
-
-	/* the keys, one after another in one buffer (each NUL-terminated) */
-	initStringInfo(&all);
-	for (i = 0; i < n; i++)
+	for (c = from; c < from + n; c++)
 	{
-		StringInfo	key = rl_build_key(limit->algorithm->name, identities[i],
-									   suffix_s);
-
-		keys[i].offset = all.len;
-		keys[i].view.len = key->len;
-		keys[i].view.maxlen = key->len + 1;
-		keys[i].view.cursor = 0;
-		appendBinaryStringInfo(&all, key->data, key->len);
-		appendStringInfoChar(&all, '\0');
-		keys[i].index = i;
-	}
-	for (i = 0; i < n; i++)
-	{
-		keys[i].view.data = all.data + keys[i].offset;
-		keys[i].slot = rl_route_slot(keys[i].view.data, keys[i].view.len);
-	}
-	if (rl_mode == RL_MODE_CLUSTER)
-		qsort(keys, n, sizeof(RlBatchKey), rl_batch_key_cmp);
-	for (i = 0; i < n; i++)
-		keys[i].key = &keys[i].view;
-
-	/* one call per run of at most RL_BATCH_KEYS keys of one slot */
-	first = palloc(sizeof(int) * Max(n, 1));
-	size = palloc(sizeof(int) * Max(n, 1));
-	for (i = 0; i < n; i += size[ncalls++])
-	{
-		first[ncalls] = i;
-		for (size[ncalls] = 1;
-			 i + size[ncalls] < n && size[ncalls] < RL_BATCH_KEYS &&
-			 keys[i + size[ncalls]].slot == keys[i].slot;
-			 size[ncalls]++)
-			;
-	}
-
-	pg_ltoa(limit->lim, lim_s);
-	pg_lltoa(limit->window_ms, window_s);
-	pg_ltoa(limit->burst, burst_s);
-	pg_ltoa(cost, cost_s);
-	rl_clock_arg(now_s);
-	calls = palloc0(sizeof(RlCall) * Max(ncalls, 1));
-	for (c = 0; c < ncalls; c++)
-	{
-		int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + size[c] + 7;
+		RlCall	   *call = &b->calls[c];
+		int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + b->size[c] + 7;
 		const char **argv = palloc(sizeof(char *) * argc);
 		size_t	   *argvlen = palloc(sizeof(size_t) * argc);
 		char	   *nkeys = palloc(16);
 		int			a = RL_SCRIPT_ARGV_RESERVED;
 
 		argv[a] = nkeys;
-		argvlen[a++] = pg_ltoa(size[c], nkeys);
-		for (j = 0; j < size[c]; j++)
+		argvlen[a++] = pg_ltoa(b->size[c], nkeys);
+		for (j = b->first[c]; j < b->first[c] + b->size[c]; j++)
 		{
-			argv[a] = keys[first[c] + j].key->data;
-			argvlen[a++] = keys[first[c] + j].key->len;
+			argv[a] = b->round_key[j - b->round_from];
+			argvlen[a++] = b->round_len[j - b->round_from];
 		}
-		argv[a] = limit->algorithm->name;
-		argvlen[a++] = strlen(limit->algorithm->name);
-		argv[a] = lim_s;
-		argvlen[a++] = strlen(lim_s);
-		argv[a] = window_s;
-		argvlen[a++] = strlen(window_s);
-		argv[a] = burst_s;
-		argvlen[a++] = strlen(burst_s);
-		argv[a] = cost_s;
-		argvlen[a++] = strlen(cost_s);
-		argv[a] = now_s;
-		argvlen[a++] = strlen(now_s);
-		argv[a] = scopes;
-		argvlen[a++] = strlen(scopes);
-		Assert(a == argc);
-		calls[c].key = keys[first[c]].key->data;
-		calls[c].keylen = keys[first[c]].key->len;
-		calls[c].script = &rl_script_check_many;
-		calls[c].argc = argc;
-		calls[c].argv = argv;
-		calls[c].argvlen = argvlen;
+		for (j = 0; j < 7; j++)
+		{
+			argv[a] = b->args[j];
+			argvlen[a++] = b->argslen[j];
+		}
+		memset(call, 0, sizeof(RlCall));
+		call->key = b->round_key[b->first[c] - b->round_from];
+		call->keylen = b->round_len[b->first[c] - b->round_from];
+		call->script = &rl_script_check_many;
+		call->argc = argc;
+		call->argv = argv;
+		call->argvlen = argvlen;
 	}
 
-	/* pipelines of about RL_BATCH_ROUND keys: their replies are held at once */
-	failures = palloc0(sizeof(RlFailure) * Max(ncalls, 1));
-	ndenied = 0;
-	for (c = 0; c < ncalls; c += j)
+	start = GetCurrentTimestamp();
+	PG_TRY();
 	{
-		int			nkeys = size[c];
-
-		for (j = 1; c + j < ncalls && nkeys + size[c + j] <= RL_BATCH_ROUND; j++)
-			nkeys += size[c + j];
-		ndenied += rl_batch_round(limit, keys, calls + c, first + c, size + c,
-								  j, cost, d, bad, failures + c, identities,
-								  denied + ndenied);
+		rl_call_many(b->calls + from, n);
 	}
-	if (ndenied > 0 && policy != NULL && rl_track_denials)
-		rl_note_denials(policy, denied, ndenied);
+	PG_CATCH();
+	{
+		MemoryContextSwitchTo(cxt);
+		rl_batch_results(b, from, n, 0, true);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	rl_batch_results(b, from, n, rl_stats ? GetCurrentTimestamp() - start : 0,
+					 false);
+	pfree(b->round_key);
+	pfree(b->round_len);
+}
+
+/*
+ * Decides limit for each of n identities on its own, cost units each (not
+ * all or nothing: each identity gets its own decision, in d[i]), on the
+ * policy's keys (policy not NULL) or the explicit limit's. The keys of one
+ * cluster slot go in script calls of at most RL_BATCH_KEYS keys, and the
+ * calls are pipelined (rl_call_many) in rounds of about RL_BATCH_ROUND
+ * keys: one round trip per Redis node and round. The same identity given
+ * twice is decided twice, in order. Allowed charges are remembered for a
+ * refund on abort, denials of a policy counted for rl_top_denied; the keys
+ * Redis gave no decision get rl_redis.on_error, after every reply is in.
+ * Besides the caller's arrays it holds about 10 bytes per identity, and
+ * the keys, arguments and replies of one round.
+ */
+void
+rl_decide_batch(const RlLimit *limit, text **identities, int n,
+				const char *policy, int32 cost, RlDecision *d)
+{
+	RlBatch		b;
+	char		suffix[64];
+	const char *scopes = cost > 0 ? rl_refund_scopes(RL_BY_CALL) : "";
+	int			i,
+				j,
+				c;
+
+	memset(&b, 0, sizeof(b));
+	b.limit = limit;
+	b.cost = cost;
+	b.d = d;
+	b.identities = identities;
+	b.suffix = policy ? policy : rl_limit_suffix(limit, suffix);
+	b.keys = palloc(sizeof(RlBatchKey) * Max(n, 1));
+	b.bad = palloc0(sizeof(bool) * Max(n, 1));
+	if (policy != NULL && rl_track_denials && cost > 0)
+		b.denied = palloc(sizeof(text *) * Max(n, 1));
+	initStringInfo(&b.round_buf);
+
+	/* the keys are made round by round; in cluster mode sorted by slot */
+	for (i = 0; i < n; i++)
+	{
+		b.keys[i].index = i;
+		b.keys[i].slot = 0;
+		if (rl_mode == RL_MODE_CLUSTER)
+		{
+			StringInfo	key = rl_build_key(limit->algorithm->name,
+										   identities[i], b.suffix);
+
+			b.keys[i].slot = rl_route_slot(key->data, key->len);
+		}
+	}
+	if (rl_mode == RL_MODE_CLUSTER)
+		qsort(b.keys, n, sizeof(RlBatchKey), rl_batch_key_cmp);
+
+	/* one call per run of at most RL_BATCH_KEYS keys of one slot */
+	b.first = palloc(sizeof(int) * Max(n, 1));
+	b.size = palloc(sizeof(int) * Max(n, 1));
+	for (i = 0; i < n; i += b.size[b.ncalls++])
+	{
+		b.first[b.ncalls] = i;
+		for (b.size[b.ncalls] = 1;
+			 i + b.size[b.ncalls] < n && b.size[b.ncalls] < RL_BATCH_KEYS &&
+			 b.keys[i + b.size[b.ncalls]].slot == b.keys[i].slot;
+			 b.size[b.ncalls]++)
+			;
+	}
+	b.calls = palloc0(sizeof(RlCall) * Max(b.ncalls, 1));
+	b.failures = palloc0(sizeof(RlFailure) * Max(b.ncalls, 1));
+
+	/* algorithm, lim, window_ms, burst, cost, clock, scopes */
+	b.args[0] = limit->algorithm->name;
+	b.argslen[0] = strlen(limit->algorithm->name);
+	b.args[1] = b.numbers[0];
+	b.argslen[1] = pg_ltoa(limit->lim, b.numbers[0]);
+	b.args[2] = b.numbers[1];
+	b.argslen[2] = pg_lltoa(limit->window_ms, b.numbers[1]);
+	b.args[3] = b.numbers[2];
+	b.argslen[3] = pg_ltoa(limit->burst, b.numbers[2]);
+	b.args[4] = b.numbers[3];
+	b.argslen[4] = pg_ltoa(cost, b.numbers[3]);
+	b.args[5] = b.clock;
+	b.argslen[5] = rl_clock_arg(b.clock);
+	b.args[6] = pstrdup(scopes);
+	b.argslen[6] = strlen(scopes);
+
+	/* rounds of about RL_BATCH_ROUND keys: their replies are held at once */
+	for (c = 0; c < b.ncalls; c += j)
+	{
+		int			nkeys = b.size[c];
+
+		for (j = 1; c + j < b.ncalls && nkeys + b.size[c + j] <= RL_BATCH_ROUND; j++)
+			nkeys += b.size[c + j];
+		rl_batch_round(&b, c, j);
+	}
+	if (b.ndenied > 0)
+		rl_note_denials(policy, b.denied, b.ndenied);
 
 	/*
 	 * The keys Redis gave no decision get on_error. A failure is counted
@@ -1087,25 +1147,28 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 	 * to the first of its calls, and copies without those flags to the
 	 * others.
 	 */
-	for (c = 0; c < ncalls; c++)
+	for (c = 0; c < b.ncalls; c++)
 	{
 		bool		first_key = true;
 
-		if (failures[c].sqlerrcode == 0)
+		if (b.failures[c].sqlerrcode == 0)
 			continue;
-		for (j = first[c]; j < first[c] + size[c]; j++)
+		for (j = b.first[c]; j < b.first[c] + b.size[c]; j++)
 		{
-			if (!bad[keys[j].index])
+			const RlBatchKey *k = &b.keys[j];
+			StringInfo	key;
+
+			if (!b.bad[k->index])
 				continue;
-			rl_stats_failed(keys[j].key->data, keys[j].key->len, &failures[c],
-							first_key);
-			rl_apply_on_error(&failures[c],
+			key = rl_build_key(limit->algorithm->name, identities[k->index],
+							   b.suffix);
+			rl_stats_failed(key->data, key->len, &b.failures[c], first_key);
+			rl_apply_on_error(&b.failures[c],
 							  limit->burst > 0 ? limit->burst : limit->lim,
-							  cost, &d[keys[j].index]);
-			rl_stats_decided(keys[j].key->data, keys[j].key->len,
-							 &d[keys[j].index], cost, 0);
+							  cost, &d[k->index]);
+			rl_stats_decided(key->data, key->len, &d[k->index], cost, 0);
 			/* one warning per failure */
-			failures[c].first_in_outage = false;
+			b.failures[c].first_in_outage = false;
 			first_key = false;
 		}
 	}
