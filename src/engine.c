@@ -566,6 +566,7 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	RlSplit		sp;
 	const char *scopes;
 	MemoryContext cxt = CurrentMemoryContext;
+	bool		hold = rl_command_timeout > 0;
 	TimestampTz start;
 	bool		ok;
 	int			j;
@@ -627,11 +628,12 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	/*
 	 * A cancel while the calls are out would leave the slots whose reply
 	 * was not read charged, unknowably: with command_timeout bounding each
-	 * wait, the replies are read first and the cancel served after.
+	 * wait, the replies are read first and a cancel (or statement_timeout)
+	 * served after. A terminate is not held back.
 	 */
 	start = GetCurrentTimestamp();
-	if (rl_command_timeout > 0)
-		HOLD_INTERRUPTS();
+	if (hold)
+		HOLD_CANCEL_INTERRUPTS();
 	PG_TRY();
 	{
 		rl_call_many(sp.calls, sp.ncalls);
@@ -649,9 +651,9 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	ok = rl_split_results(&sp, false,
 						  rl_stats ? GetCurrentTimestamp() - start : 0,
 						  d, index, failure);
-	if (rl_command_timeout > 0)
+	if (hold)
 	{
-		RESUME_INTERRUPTS();
+		RESUME_CANCEL_INTERRUPTS();
 		CHECK_FOR_INTERRUPTS();
 	}
 	pfree(sp.order);
@@ -751,11 +753,15 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 #define RL_BATCH_KEYS 500
 
 /*
- * About the most keys whose calls go in one pipeline round: their replies
- * (about 700 bytes of hiredis memory per key) are all held until the round
- * is read.
+ * About the most keys (and key bytes) whose calls go in one pipeline round:
+ * their keys and replies (about 700 bytes of hiredis memory per key) are
+ * all held until the round is read.
  */
 #define RL_BATCH_ROUND 10000
+#define RL_BATCH_ROUND_BYTES (16 * 1024 * 1024)
+
+/* about the most key bytes of one script call (it holds Redis meanwhile) */
+#define RL_BATCH_CALL_BYTES (1024 * 1024)
 
 /* A key of a batch: its cluster slot and its place in the caller's array. */
 typedef struct RlBatchKey
@@ -921,6 +927,7 @@ rl_batch_results(RlBatch *b, int from, int n, int64 rtt, bool interrupted)
 
 		if (call->argv != NULL)
 		{
+			pfree((char *) call->argv[RL_SCRIPT_ARGV_RESERVED]);	/* numkeys */
 			pfree(call->argv);
 			pfree(call->argvlen);
 			call->argv = NULL;
@@ -1046,6 +1053,27 @@ rl_batch_round(RlBatch *b, int from, int n)
 	pfree(b->round_len);
 }
 
+/* About the bytes the key of keys[i] of a batch takes: at most this. */
+static size_t
+rl_batch_key_bytes(const RlBatch *b, int i)
+{
+	/* the identity escaped (at most three bytes each), prefix and suffix */
+	return 3 * (size_t) VARSIZE_ANY_EXHDR(b->identities[b->keys[i].index]) +
+		strlen(rl_key_prefix) + strlen(b->suffix) + 32;
+}
+
+/* About the bytes the keys of call c of a batch take: at most this. */
+static size_t
+rl_batch_call_bytes(const RlBatch *b, int c)
+{
+	size_t		bytes = 0;
+	int			i;
+
+	for (i = b->first[c]; i < b->first[c] + b->size[c]; i++)
+		bytes += rl_batch_key_bytes(b, i);
+	return bytes;
+}
+
 /*
  * Decides limit for each of n identities on its own, cost units each (not
  * all or nothing: each identity gets its own decision, in d[i]), on the
@@ -1056,8 +1084,9 @@ rl_batch_round(RlBatch *b, int from, int n)
  * twice is decided twice, in order. Allowed charges are remembered for a
  * refund on abort, denials of a policy counted for rl_top_denied; the keys
  * Redis gave no decision get rl_redis.on_error, after every reply is in.
- * Besides the caller's arrays it holds about 10 bytes per identity, and
- * the keys, arguments and replies of one round.
+ * Besides the caller's arrays it holds about 20 bytes per identity and
+ * about 1 kB per script call, and the keys, arguments and replies of one
+ * round.
  */
 void
 rl_decide_batch(const RlLimit *limit, text **identities, int n,
@@ -1098,18 +1127,26 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 	if (rl_mode == RL_MODE_CLUSTER)
 		qsort(b.keys, n, sizeof(RlBatchKey), rl_batch_key_cmp);
 
-	/* one call per run of at most RL_BATCH_KEYS keys of one slot */
+	/*
+	 * One call per run of keys of one slot, at most RL_BATCH_KEYS keys and
+	 * about RL_BATCH_CALL_BYTES.
+	 */
 	b.first = palloc(sizeof(int) * Max(n, 1));
 	b.size = palloc(sizeof(int) * Max(n, 1));
 	for (i = 0; i < n; i += b.size[b.ncalls++])
 	{
+		size_t		bytes = rl_batch_key_bytes(&b, i);
+
 		b.first[b.ncalls] = i;
 		for (b.size[b.ncalls] = 1;
 			 i + b.size[b.ncalls] < n && b.size[b.ncalls] < RL_BATCH_KEYS &&
-			 b.keys[i + b.size[b.ncalls]].slot == b.keys[i].slot;
+			 b.keys[i + b.size[b.ncalls]].slot == b.keys[i].slot &&
+			 bytes + rl_batch_key_bytes(&b, i + b.size[b.ncalls]) <= RL_BATCH_CALL_BYTES;
 			 b.size[b.ncalls]++)
-			;
+			bytes += rl_batch_key_bytes(&b, i + b.size[b.ncalls]);
 	}
+	b.first = repalloc(b.first, sizeof(int) * Max(b.ncalls, 1));
+	b.size = repalloc(b.size, sizeof(int) * Max(b.ncalls, 1));
 	b.calls = palloc0(sizeof(RlCall) * Max(b.ncalls, 1));
 	b.failures = palloc0(sizeof(RlFailure) * Max(b.ncalls, 1));
 
@@ -1129,13 +1166,21 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 	b.args[6] = pstrdup(scopes);
 	b.argslen[6] = strlen(scopes);
 
-	/* rounds of about RL_BATCH_ROUND keys: their replies are held at once */
+	/*
+	 * Rounds of about RL_BATCH_ROUND keys and RL_BATCH_ROUND_BYTES: their
+	 * keys and replies are held at once.
+	 */
 	for (c = 0; c < b.ncalls; c += j)
 	{
 		int			nkeys = b.size[c];
+		size_t		bytes = rl_batch_call_bytes(&b, c);
 
-		for (j = 1; c + j < b.ncalls && nkeys + b.size[c + j] <= RL_BATCH_ROUND; j++)
+		for (j = 1; c + j < b.ncalls && nkeys + b.size[c + j] <= RL_BATCH_ROUND &&
+			 bytes + rl_batch_call_bytes(&b, c + j) <= RL_BATCH_ROUND_BYTES; j++)
+		{
 			nkeys += b.size[c + j];
+			bytes += rl_batch_call_bytes(&b, c + j);
+		}
 		rl_batch_round(&b, c, j);
 	}
 	if (b.ndenied > 0)
@@ -1214,6 +1259,12 @@ rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("identity must not be empty")));
+		/* a key too long to be made fails here, before anything is taken */
+		if (3 * (size_t) VARSIZE_ANY_EXHDR(identities[i]) + 1024 > MaxAllocSize)
+			ereport(ERROR,
+					(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+					 errmsg("an identity of a batch must be shorter than %zu bytes",
+							(MaxAllocSize - 1024) / 3)));
 	}
 
 	InitMaterializedSRF(fcinfo, 0);

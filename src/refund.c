@@ -461,18 +461,24 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 	for (j = 0; j < n; j += batch)
 	{
 		/*
-		 * The run of keys of one slot, at most RL_REFUND_BATCH; with the
-		 * shared transport, at most what a slot of its queue holds (a call
-		 * too large for it would wait for the session's own connection).
+		 * The run of keys of one slot, at most RL_REFUND_BATCH. When the
+		 * call will be handed to the worker of the shared transport (the
+		 * session has no connection of its own open), at most what a slot
+		 * of its queue holds besides the scope ids: a call too large for it
+		 * would wait for a connection the session may never open.
 		 */
+		RlConn	   *conn = rl_route_known(list[j]->key.data, list[j]->key.len);
+		bool		cut = rl_transport == RL_TRANSPORT_SHARED &&
+			(conn == NULL || !rl_conn_ready(conn));
+		size_t		budget = RL_SHARED_REQUEST_MAX - 1024 - strlen(parents) -
+			strlen(scope->id);
 		size_t		bytes = list[j]->key.len + RL_REFUND_KEY_BYTES;
 
 		for (batch = 1; j + batch < n && batch < RL_REFUND_BATCH &&
 			 slotted[j + batch].slot == slotted[j].slot; batch++)
 		{
 			bytes += list[j + batch]->key.len + RL_REFUND_KEY_BYTES;
-			if (rl_transport == RL_TRANSPORT_SHARED &&
-				bytes > RL_SHARED_REQUEST_MAX - 1024)
+			if (cut && bytes > budget)
 				break;
 		}
 		rl_scope_queue_batch(scope, script, refund, idempotent, list + j,

@@ -272,6 +272,7 @@ extern uint64 rl_settings_version(void);
 extern bool rl_command_was_sent(RlConn *conn);
 extern uint64 rl_settings_hash(void);
 extern bool rl_conn_has_queued(RlConn *conn);
+extern bool rl_conn_ready(RlConn *conn);
 
 /* Work of a transaction end a session hands to the worker. */
 typedef struct RlDeferred

@@ -253,6 +253,16 @@ rl_give_up_slot(RlSlot *slot)
 	waiting_slot = NULL;
 }
 
+/* Frees a deferred slot (under its lock): no session's any more. */
+static void
+rl_free_deferred(RlSlot *slot)
+{
+	slot->state = RL_SLOT_FREE;
+	slot->deferred = false;
+	slot->waiter = false;
+	slot->owner = NULL;
+}
+
 /*
  * The session stops waiting for its deferred work: done slots are freed,
  * the others the worker frees when it is done with them.
@@ -272,7 +282,7 @@ rl_give_up_deferred(void)
 		if (slot->owner == MyProc && slot->deferred && slot->waiter)
 		{
 			if (slot->state == RL_SLOT_DONE)
-				slot->state = RL_SLOT_FREE;
+				rl_free_deferred(slot);
 			else
 				slot->waiter = false;
 		}
@@ -620,10 +630,11 @@ rl_shared_defer_wait(TimestampTz deadline)
 			if (slot->owner != MyProc || !slot->deferred)
 				continue;
 			SpinLockAcquire(&slot->mutex);
-			if (slot->owner == MyProc && slot->deferred && slot->waiter)
+			if (slot->owner == MyProc && slot->deferred && slot->waiter &&
+				slot->state != RL_SLOT_FREE)
 			{
 				if (slot->state == RL_SLOT_DONE)
-					slot->state = RL_SLOT_FREE;
+					rl_free_deferred(slot);
 				else
 					pending++;
 			}
@@ -690,7 +701,7 @@ rl_shared_worker_stop(void)
 				owner = slot->owner;
 			}
 			else
-				slot->state = RL_SLOT_FREE;
+				rl_free_deferred(slot);
 		}
 		else if (slot->state == RL_SLOT_TAKEN)
 		{
@@ -806,7 +817,7 @@ rl_shared_deferred_done(int i)
 		owner = slot->owner;
 	}
 	else if (slot->state == RL_SLOT_TAKEN)
-		slot->state = RL_SLOT_FREE;
+		rl_free_deferred(slot);
 	SpinLockRelease(&slot->mutex);
 	if (owner != NULL)
 		SetLatch(&owner->procLatch);

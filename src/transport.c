@@ -199,6 +199,7 @@ static bool used_since_idle = false;
 
 
 static void rl_transport_exit(int code, Datum arg);
+static void rl_register_exit(void);
 static void rl_idle_timeout_handler(void);
 static void rl_discard_queue(RlConn *conn, const char *why);
 static void rl_queue_unconfirmed(RlConn *conn);
@@ -1067,6 +1068,13 @@ rl_settings_hash(void)
 	return h;
 }
 
+/* True when conn is connected and usable (not to be opened first). */
+bool
+rl_conn_ready(RlConn *conn)
+{
+	return conn->ready && conn->sock != PGINVALID_SOCKET && !conn->shut;
+}
+
 /* True when conn holds work of transaction ends not yet sent or confirmed. */
 bool
 rl_conn_has_queued(RlConn *conn)
@@ -1247,15 +1255,8 @@ rl_connect(RlConn *conn, int timeout_ms, RlFailure *failure)
 {
 	TimestampTz deadline = rl_deadline(timeout_ms);
 	struct sockaddr_un sun;
-	static bool exit_callback_registered = false;
 
-	/* here, not in _PG_init: a preloaded library's _PG_init runs in the postmaster */
-	if (!exit_callback_registered)
-	{
-		before_shmem_exit(rl_transport_exit, (Datum) 0);
-		exit_callback_registered = true;
-	}
-
+	rl_register_exit();
 	rl_disconnect(conn);
 	if (conn->pending_addrs != NULL)
 	{
@@ -1404,6 +1405,9 @@ rl_queue_unconfirmed(RlConn *conn)
 			continue;
 		if (conn->queue_flags[k] & RL_QUEUED_IDEMPOTENT)
 			dropped++;
+		/* a refund that may have run: no remembered denial outlives it */
+		if (conn->queue_flags[k] & RL_QUEUED_GIVES_BACK)
+			rl_deny_cache_forget();
 		rl_queue_remove(conn, k, 1);
 	}
 	conn->pending_replies = 0;
@@ -1577,6 +1581,7 @@ rl_queue_push(RlConn *conn, int argc, const char **argv,
 {
 	MemoryContext old;
 
+	rl_register_exit();
 	rl_queue_trim(conn);
 	if (conn->queue.len > RL_MAX_QUEUE)
 	{
@@ -1737,7 +1742,12 @@ rl_conn_hand_to_worker(RlConn *conn, TimestampTz deadline)
 												   bodylen, 0);
 		}
 		if (!rl_shared_defer(&work, settings))
-			break;
+		{
+			/* the queue is full: what was handed over goes first */
+			rl_shared_defer_wait(deadline);
+			if (!rl_shared_defer(&work, settings))
+				break;
+		}
 		rl_queue_remove(conn, 0, 1);
 	}
 	rl_shared_defer_wait(deadline);
@@ -1931,8 +1941,25 @@ rl_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 }
 
 /*
+ * Makes the backend's exit send what is queued (rl_transport_exit); once,
+ * when a connection is first made or work first queued (not in _PG_init: a
+ * preloaded library's _PG_init runs in the postmaster).
+ */
+static void
+rl_register_exit(void)
+{
+	static bool registered = false;
+
+	if (registered)
+		return;
+	before_shmem_exit(rl_transport_exit, (Datum) 0);
+	registered = true;
+}
+
+/*
  * When the backend exits: sends what each connection has queued and reads
- * the replies still due, all within RL_XACT_END_BUDGET_MS, so that closing
+ * the replies still due (or hands the queue of one not open to the worker
+ * of the shared transport), all within RL_XACT_END_BUDGET_MS, so that closing
  * a socket with unread replies (which resets the connection) cannot make
  * Redis drop commands it had not read yet.
  */
@@ -1948,9 +1975,14 @@ rl_transport_exit(int code, Datum arg)
 		RlFailure	failure;
 		RlHold		hold;
 
-		if (!conn->ready || conn->sock == PGINVALID_SOCKET ||
-			(conn->queue_count == 0 && conn->pending_replies == 0))
+		if (conn->queue_count == 0 && conn->pending_replies == 0)
 			continue;
+		/* no connection of its own: the worker of the shared transport */
+		if (!conn->ready || conn->sock == PGINVALID_SOCKET)
+		{
+			(void) rl_conn_hand_to_worker(conn, deadline);
+			continue;
+		}
 		rl_hold_save(&hold);
 		PG_TRY();
 		{
