@@ -20,6 +20,7 @@ rl_redis.test_clock_ms; many-session tests use windows that never roll
 over during a test. About 30 s in all.
 """
 
+import os
 import threading
 import time
 
@@ -459,6 +460,68 @@ def test_statement_guard_timeout_waits_for_every_slot(sessions, policies, tables
             key = rl_key("fixed", t, policy=policy)
             assert where[t].command("HGET", key, "n") in (None, "0"), (run, t, where[t])
     assert conn.execute("SELECT count(*) FROM %s" % table).fetchone()[0] == 0
+
+
+def test_terminate_during_statement_guard_is_served_at_once(pg, sessions, policies, tables, redis_cluster):
+    """command_timeout 10000 ms: an INSERT of 12 tenants on the 3 masters
+    through rl_guard_statement while every master is held by CLIENT PAUSE
+    8000 WRITE (scripts wait, CLIENT UNPAUSE does not); 0.5 s after the
+    guard began to wait, pg_terminate_backend. The guard holds back only a
+    cancel until every master's reply is read (see above): a terminate is
+    served at once, and the backend is gone within 3 s (it used to hold
+    every interrupt and wait until the masters answered, about 7.6 s here,
+    or command_timeout per node). The masters are unpaused afterwards and
+    answer again."""
+    policy = policies("fixed", 5, 60000)
+    table = tables("CREATE TRIGGER g AFTER INSERT ON {table} REFERENCING NEW TABLE AS n "
+                   "FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('%s', 'tenant')" % policy)
+    conn = sessions(redis_cluster, test_clock_ms=TEST_CLOCK_MS, command_timeout=10000)
+    tenants, where = spread(redis_cluster, "term", 4)
+    assert len(set(where.values())) == 3
+    # connections, slot map and scripts in place on every master
+    assert [remaining(conn, policy, t) for t in tenants] == [5] * len(tenants)
+    pid = conn.info.backend_pid
+    insert = "INSERT INTO %s (tenant) SELECT unnest(%%s::text[])" % table
+    outcome = {}
+
+    def run():
+        try:
+            conn.execute(insert, (tenants,))
+            outcome["error"] = None
+        except BaseException as e:  # looked at by the main thread
+            outcome["error"] = e
+
+    masters = redis_cluster.masters()
+    call = threading.Thread(target=run, daemon=True)
+    try:
+        for m in masters:
+            m.command("CLIENT", "PAUSE", "8000", "WRITE")  # scripts wait; UNPAUSE does not
+        t_pause = time.monotonic()
+        call.start()
+        # the guard waits for the paused masters
+        wait_for(lambda: pg.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                    (pid,)).fetchone() == ("Extension",), 5.0,
+                 "the guard to wait for Redis")
+        time.sleep(0.5)
+        assert time.monotonic() - t_pause < 3.0, "the statement did not reach the guard in time"
+        t0 = time.monotonic()
+        assert pg.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0] is True
+        while os.path.exists("/proc/%d" % pid) and time.monotonic() - t0 < 15.0:
+            time.sleep(0.02)
+        gone_s = time.monotonic() - t0
+        call.join(15)
+    finally:
+        for m in masters:
+            m.command("CLIENT", "UNPAUSE")
+    assert not call.is_alive()
+    assert gone_s < 3.0, "the backend took %.2f s to exit after pg_terminate_backend" % gone_s
+    assert isinstance(outcome["error"], psycopg.OperationalError), outcome
+    assert pg.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0] == 0
+    # the masters answer again
+    other = sessions(redis_cluster, test_clock_ms=TEST_CLOCK_MS)
+    fresh, _ = spread(redis_cluster, "termafter", 1)
+    assert [check(other, policy, t)[:3] for t in fresh] == [(True, 5, 4)] * 3
+    assert pg.execute("SELECT count(*) FROM %s" % table).fetchone()[0] == 0
 
 
 def idents_on(cluster, master, tag, n):

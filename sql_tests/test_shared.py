@@ -476,6 +476,35 @@ def test_release_at_commit_is_seen_when_commit_returns(shared_server, sessions):
     assert not own_connection_open(a) and not own_connection_open(b)
 
 
+def test_stale_deferred_slots_do_not_hold_commit(shared_server, sessions, policies):
+    """A shared session without a connection of its own, two concurrency
+    policies: BEGIN; rl_acquire(p1); rl_acquire(p2); COMMIT (two slot
+    releases handed to the worker, in two slots of its queue), then BEGIN;
+    rl_acquire(p1); COMMIT, alternately 10 times each. A deferred slot the
+    session had waited for was freed with its owner and flags left set; one
+    the next call did not take again made the next COMMIT wait for it the
+    whole 1 s budget (every other COMMIT). Now every COMMIT takes < 300 ms,
+    and every acquire finds the slots of the previous transaction released
+    (remaining 4 of 5)."""
+    p1 = policies("concurrency", 5, 60000)
+    p2 = policies("concurrency", 5, 60000)
+    conn = sessions(1, transport="shared")[0]
+    ident = new_ident("stale")
+    acquire = "SELECT (r).allowed, (r).lim, (r).remaining FROM rl_acquire(%s, %s) AS r"
+    commits = []
+    for k in range(20):
+        conn.execute("BEGIN")
+        assert conn.execute(acquire, (p1, ident)).fetchone() == (True, 5, 4), k
+        if k % 2 == 0:
+            assert conn.execute(acquire, (p2, ident)).fetchone() == (True, 5, 4), k
+        t0 = time.monotonic()
+        conn.execute("COMMIT")
+        commits.append(round(time.monotonic() - t0, 3))
+    assert max(commits) < 0.3, commits
+    assert not own_connection_open(conn)
+    assert conn.info.backend_pid not in shared_server.clients()
+
+
 def test_eight_sessions_one_connection(shared_server, sessions, policies):
     """8 shared sessions at once, every algorithm: each gets the rows a
     backend session gets, and the server holds exactly one connection to
@@ -650,6 +679,128 @@ def test_refund_of_300_keys_handed_to_the_worker(shared_server, sessions, polici
     left = [r[0] for r in backend.execute(peek, (policy, idents)).fetchall()]
     assert left == [lim] * 300, "%d of 300 keys not given back" % sum(1 for x in left if x != lim)
     assert [n for n in notices if n[0] == "WARNING"] == []
+
+
+def idents_sql(base, n, width):
+    """SQL for the array of n identities '<base>:<g zero-padded to width>'
+    (g = 0 .. n-1), and the same identities as a Python list."""
+    query = "ARRAY(SELECT %%s || ':' || lpad(g::text, %d, '0') FROM generate_series(0, %d) g)" % (
+        width, n - 1)
+    return query, ["%s:%0*d" % (base, width, g) for g in range(n)]
+
+
+def not_full(conn, policy, array_sql, base, lim):
+    """How many of the identities of array_sql have less than lim left (a
+    cost-0 rl_check_many: a peek)."""
+    return conn.execute("SELECT count(*) FROM rl_check_many(%%s, %s, 0) WHERE remaining <> %%s"
+                        % array_sql, (policy, base, lim)).fetchone()[0]
+
+
+def sample_of(idents, n=200):
+    """n identities of idents spread evenly, the first and the last among them."""
+    step = (len(idents) - 1) / (n - 1)
+    return sorted({idents[round(k * step)] for k in range(n)})
+
+
+def test_rollback_refund_of_60000_keys_with_own_connection(shared_server, sessions, policies):
+    """refund_on_abort = 'all', shared: BEGIN; rl_check_many of 60 000
+    distinct identities (a batch: it opens the session's own connection);
+    ROLLBACK. The refund goes on the session's own connection, in calls of
+    up to 1 000 keys: it used to be cut to what a slot of the worker's
+    queue holds (about 24 keys) although it was not handed to the worker,
+    and with the 29 kB script in every call the 64 MB queue overflowed
+    (1 147 WARNINGs, some 20 000 keys not given back). Afterwards, seen from a
+    backend session, every identity has its full quota (200 of them one by
+    one with rl_check cost 0, the first and last among them, and all 60 000
+    with a cost-0 rl_check_many), and the rolling-back session got no
+    WARNING."""
+    lim, n = 3, 60000
+    policy = policies("fixed", lim, CENTURY_MS)
+    conn = sessions(1, transport="shared", refund_on_abort="all")[0]
+    backend = sessions(1, transport="backend")[0]
+    notices = []
+    conn.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.message_primary)))
+    base = new_ident("refund60k")
+    array_sql, idents = idents_sql(base, n, 5)
+    sample = sample_of(idents)
+    assert idents[0] in sample and idents[-1] in sample and len(sample) == 200
+
+    conn.execute("BEGIN")
+    rows = conn.execute("SELECT count(*), count(*) FILTER (WHERE allowed AND remaining = %%s) "
+                        "FROM rl_check_many(%%s, %s)" % array_sql,
+                        (lim - 1, policy, base)).fetchone()
+    assert rows == (n, n)
+    assert own_connection_open(conn)  # the batch opened it
+    assert [check(backend, policy, i, 0)[2] for i in sample] == [lim - 1] * len(sample)
+    t0 = time.monotonic()
+    conn.execute("ROLLBACK")
+    rollback_s = time.monotonic() - t0
+    warnings = [x[1] for x in notices if x[0] == "WARNING"]
+
+    # what was written by ROLLBACK is run by Redis even if its replies come
+    # after the transaction end's budget: a short wait, never a lost key
+    def back():
+        return [check(backend, policy, i, 0)[2] for i in sample] == [lim] * len(sample)
+
+    deadline = time.monotonic() + 10.0
+    while not back() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [check(backend, policy, i, 0)[2] for i in sample]
+    missing = not_full(backend, policy, array_sql, base, lim)
+    assert (missing, len(warnings)) == (0, 0), (
+        "%d of %d keys not given back (ROLLBACK took %.2f s), %d WARNINGs, the first: %s"
+        % (missing, n, rollback_s, len(warnings), warnings[:1]))
+    assert left == [lim] * len(sample)
+    assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert [x for x in notices if x[0] == "WARNING"] == [], notices
+
+
+def test_rollback_refund_of_6000_keys_then_close(shared_server, sessions, policies):
+    """refund_on_abort = 'all', shared, no connection of the session's own:
+    6 000 distinct keys charged by single rl_allow calls (through the
+    worker) in one transaction, ROLLBACK, and the session closes. The
+    refund, cut into about 300 calls that fit a slot, is more than the
+    queue's 256 slots hold at once: the rest used to stay in the session's
+    queue and be lost when it closed (its exit sent only the queue of an
+    open connection, and was not even registered by a session that never
+    connected). Now a full queue is waited for, and the exit hands what is
+    left to the worker: within 3 s of the backend's exit every key has its
+    full quota (seen from a backend session); the session never connected
+    and got no WARNING."""
+    lim, n = 3, 6000
+    policy = policies("fixed", lim, CENTURY_MS)
+    conn = sessions(1, transport="shared", refund_on_abort="all")[0]
+    backend = sessions(1, transport="backend")[0]
+    notices = []
+    conn.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.message_primary)))
+    base = new_ident("refund6k")
+    array_sql, idents = idents_sql(base, n, 4)
+    pid = conn.info.backend_pid
+
+    conn.execute("BEGIN")
+    charged = conn.execute("SELECT count(*) FROM generate_series(0, %d) g "
+                           "WHERE rl_allow(%%s, %%s || ':' || lpad(g::text, 4, '0'))" % (n - 1),
+                           (policy, base)).fetchone()[0]
+    assert charged == n
+    assert not_full(backend, policy, array_sql, base, lim) == n  # every key charged
+    assert not own_connection_open(conn)
+    conn.execute("ROLLBACK")
+    # no statement after ROLLBACK: a next transaction end would hand the
+    # rest of the queue over itself
+    assert pid not in shared_server.clients()
+    close_and_wait([conn])
+    t0 = time.monotonic()
+    missing = not_full(backend, policy, array_sql, base, lim)
+    while missing and time.monotonic() - t0 < 3.0:
+        time.sleep(0.1)
+        missing = not_full(backend, policy, array_sql, base, lim)
+    assert missing == 0, "%d of %d keys not given back 3 s after the session closed" % (missing, n)
+    sample = sample_of(idents)
+    assert [check(backend, policy, i, 0)[2] for i in sample] == [lim] * len(sample)
+    assert [x for x in notices if x[0] == "WARNING"] == [], notices
+    assert [x for x in shared_server.log().splitlines()
+            if "[%d]" % pid in x and "WARNING" in x] == []  # nor at its exit
+    assert pid not in shared_server.clients()
 
 
 # ------------------------------------------------------- settings mismatch
