@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 
@@ -60,6 +61,25 @@ def control_version():
             if line.startswith("default_version"):
                 return line.split("'")[1]
     raise AssertionError("rl_redis.control has no default_version")
+
+
+class QueryThread(threading.Thread):
+    """Runs one query on conn in a thread: .rows or .error (looked at by the
+    main thread), .started and .finished (time.monotonic())."""
+
+    def __init__(self, conn, query, params=None):
+        super().__init__(daemon=True)
+        self.conn, self.query, self.params = conn, query, params
+        self.rows = self.error = None
+        self.started = self.finished = None
+
+    def run(self):
+        self.started = time.monotonic()
+        try:
+            self.rows = self.conn.execute(self.query, self.params).fetchall()
+        except BaseException as e:  # looked at by the main thread
+            self.error = e
+        self.finished = time.monotonic()
 
 
 def new_ident(tag="t"):

@@ -43,7 +43,9 @@ import psycopg.errors
 import pytest
 from psycopg import sql
 
-from conftest import free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import QueryThread, free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from test_faults import wait_until_active
+from test_stats import stats_row
 from redis_topology import identity_slot, made_policies, redis_cluster  # noqa: F401
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -180,16 +182,6 @@ def error_count(server, prefix):
     return int(stats.split("=", 1)[1]) if stats else 0
 
 
-def wait_until_active(pg, pid, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        row = pg.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
-        if row is not None and row[0] == "active":
-            return
-        time.sleep(0.02)
-    pytest.fail("backend %d never became active" % pid)
-
-
 def backend_tcp_ports(pid):
     """The local TCP ports of the sockets the process pid holds (from /proc:
     the tests run as root or as the cluster owner)."""
@@ -224,24 +216,6 @@ def clients_from(node, ports):
         if int(f["addr"].rsplit(":", 1)[1]) in ports:
             out.append(f)
     return out
-
-
-class Victim(threading.Thread):
-    """Runs one query in a thread; records its rows or its error."""
-
-    def __init__(self, conn, query, params):
-        super().__init__(daemon=True)
-        self.conn, self.query, self.params = conn, query, params
-        self.rows = self.error = None
-        self.started = self.finished = None
-
-    def run(self):
-        self.started = time.monotonic()
-        try:
-            self.rows = self.conn.execute(self.query, self.params).fetchall()
-        except BaseException as e:  # looked at by the main thread
-            self.error = e
-        self.finished = time.monotonic()
 
 
 @pytest.fixture
@@ -808,7 +782,7 @@ def test_hung_redis_cancel(pg, redis_factory):
         pid = victim_conn.info.backend_pid
         r.pause()
         try:
-            v = Victim(victim_conn, "SELECT %s FROM rl_fixed_many(%%s::text[], 5, 60000)" % COLS, (idents,))
+            v = QueryThread(victim_conn, "SELECT %s FROM rl_fixed_many(%%s::text[], 5, 60000)" % COLS, (idents,))
             v.start()
             wait_until_active(pg, pid)
             time.sleep(0.3)
@@ -1077,18 +1051,6 @@ def test_cluster_stale_slot_map(redis_cluster):
 
 
 # ---------------------------------------------------------------- stats
-
-
-def stats_row(conn, policy, algorithm=None):
-    cur = conn.cursor(row_factory=psycopg.rows.dict_row)
-    if policy is None:
-        rows = cur.execute("SELECT * FROM rl_redis_stats WHERE dbname = current_database() "
-                           "AND policy IS NULL AND algorithm = %s", (algorithm,)).fetchall()
-    else:
-        rows = cur.execute("SELECT * FROM rl_redis_stats WHERE dbname = current_database() "
-                           "AND policy = %s", (policy,)).fetchall()
-    assert len(rows) <= 1, rows
-    return rows[0] if rows else None
 
 
 STAT_COUNTERS = ("calls", "allowed", "denied", "units_taken", "units_refunded", "errors",

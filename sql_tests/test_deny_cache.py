@@ -47,9 +47,10 @@ import psycopg.rows
 import pytest
 from psycopg import sql
 
-from conftest import new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import QueryThread, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from test_stats import stats_row
 from redis_topology import made_policies, wait_for
-from test_batch import Victim, wait_until_active
+from test_faults import wait_until_active
 from test_stats import unpreloaded_cluster  # noqa: F401  (a fixture)
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -125,18 +126,6 @@ def warnings_of(conn):
     conn.add_notice_handler(
         lambda d: seen.append(d.message_primary) if d.severity_nonlocalized == "WARNING" else None)
     return seen
-
-
-def stats_row(conn, policy, algorithm=None):
-    cur = conn.cursor(row_factory=psycopg.rows.dict_row)
-    if policy is None:
-        rows = cur.execute("SELECT * FROM rl_redis_stats WHERE dbname = current_database() "
-                           "AND policy IS NULL AND algorithm = %s", (algorithm,)).fetchall()
-    else:
-        rows = cur.execute("SELECT * FROM rl_redis_stats WHERE dbname = current_database() "
-                           "AND policy = %s", (policy,)).fetchall()
-    assert len(rows) <= 1, rows
-    return rows[0] if rows else None
 
 
 def counts(row):
@@ -630,11 +619,11 @@ def test_refund_landing_after_a_lookup_is_not_lost(sessions, redis_factory, pg):
     scripts = Scripts(r)
     r.pause()
     try:
-        refund = Victim(a, "SELECT rl_fixed_refund(%s, 1, 60000, 1)", (ident,))
+        refund = QueryThread(a, "SELECT rl_fixed_refund(%s, 1, 60000, 1)", (ident,))
         refund.start()
         wait_until_active(pg, a.info.backend_pid)
         time.sleep(1.0)
-        racer = Victim(b, query, (ident,))
+        racer = QueryThread(b, query, (ident,))
         racer.start()
         wait_until_active(pg, b.info.backend_pid)
         time.sleep(1.0)
@@ -729,7 +718,7 @@ def test_denial_decided_before_a_refund_is_not_remembered(sessions, pg):
         s1.execute("BEGIN")
         assert decide(s1, "fixed", ident, 1, 60000) == (True, 1, 0, 60000, 0)
         assert scripts.new() == 1
-        racer = Victim(s2, query, (ident,))
+        racer = QueryThread(s2, query, (ident,))
         racer.start()
         wait_for(lambda: script_calls(r) > scripts.seen, 10.0, "S2's call to run in Redis")
         assert scripts.new() == 1

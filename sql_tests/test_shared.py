@@ -65,7 +65,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import RedisFactory, free_port, new_ident, pg_connect, rl_key, set_gucs
+from conftest import QueryThread, RedisFactory, free_port, new_ident, pg_connect, rl_key, set_gucs
 from redis_topology import made_policies, wait_for
 from test_batch import backend_tcp_ports, wait_until_active
 from test_stats import PGBIN, as_owner, unpreloaded_cluster  # noqa: F401  (a fixture)
@@ -241,25 +241,6 @@ def error_of(conn, query, params=None):
     with pytest.raises(psycopg.Error) as excinfo:
         conn.execute(query, params).fetchall()
     return excinfo.value
-
-
-class Call(threading.Thread):
-    """Runs one query in a thread: .rows or .error; .started and .finished
-    (time.monotonic())."""
-
-    def __init__(self, conn, query, params=None):
-        super().__init__(daemon=True)
-        self.conn, self.query, self.params = conn, query, params
-        self.rows = self.error = None
-        self.started = self.finished = None
-
-    def run(self):
-        self.started = time.monotonic()
-        try:
-            self.rows = self.conn.execute(self.query, self.params).fetchall()
-        except BaseException as e:  # looked at by the main thread
-            self.error = e
-        self.finished = time.monotonic()
 
 
 def wait_all_waiting(admin, pids, timeout=20.0):
@@ -1058,7 +1039,7 @@ def test_unknown_scripts_in_one_worker_round(clusters, lose):
         pause_s = 1.0
         redis.command("CLIENT", "PAUSE", str(int(pause_s * 1000)))
         t_pause = time.monotonic()
-        calls = [Call(c, "SELECT %s FROM rl_%s(%%s, 10, 60000) AS r" % (COLS, a),
+        calls = [QueryThread(c, "SELECT %s FROM rl_%s(%%s, 10, 60000) AS r" % (COLS, a),
                       ("%s:%s" % (base, a),)) for a, c in zip(algorithms, conns)]
         for call in calls:
             call.start()
@@ -1151,7 +1132,7 @@ def test_cancel_and_timeouts_with_redis_paused(clusters, capsys):
         redis.pause()
         try:
             # cancel: the worker has taken the call and waits for Redis
-            call = Call(conn, "SELECT %s FROM rl_fixed(%%s, 5, 60000) AS r" % COLS,
+            call = QueryThread(conn, "SELECT %s FROM rl_fixed(%%s, 5, 60000) AS r" % COLS,
                         (new_ident("cancel"),))
             call.start()
             wait_until_active(admin, pid)
@@ -1222,11 +1203,11 @@ def test_worker_killed_while_calls_wait(clusters):
         ident_a, ident_b = new_ident("ka"), new_ident("kb")
         redis.pause()
         try:
-            call_a = Call(a, "SELECT %s FROM rl_fixed(%%s, 11, 60000) AS r" % COLS, (ident_a,))
+            call_a = QueryThread(a, "SELECT %s FROM rl_fixed(%%s, 11, 60000) AS r" % COLS, (ident_a,))
             call_a.start()
             wait_until_active(admin, a.info.backend_pid)
             time.sleep(0.5)  # the worker took it and waits for Redis
-            call_b = Call(b, "SELECT %s FROM rl_fixed(%%s, 22, 60000) AS r" % COLS, (ident_b,))
+            call_b = QueryThread(b, "SELECT %s FROM rl_fixed(%%s, 22, 60000) AS r" % COLS, (ident_b,))
             call_b.start()
             wait_until_active(admin, b.info.backend_pid)
             time.sleep(0.5)
@@ -1369,7 +1350,7 @@ def test_queue_full_falls_back(clusters):
         assert server.clients() == {worker: 1}
         redis.pause()
         try:
-            calls = [Call(c, "SELECT %s FROM rl_fixed(%%s, %%s, 60000) AS r" % COLS,
+            calls = [QueryThread(c, "SELECT %s FROM rl_fixed(%%s, %%s, 60000) AS r" % COLS,
                           ("%s:%d" % (base, i), 100 + i)) for i, c in enumerate(conns)]
             for call in calls:
                 call.start()

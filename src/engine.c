@@ -229,6 +229,18 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 						   d->allowed ? "allow" : "deny")));
 }
 
+/* Fills in the failure of a reply that is not what the scripts return. */
+static void
+rl_unexpected_reply(RlConn *conn, RlFailure *failure)
+{
+	failure->first_in_outage = true;
+	failure->breaker_opened = false;
+	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
+	snprintf(failure->message, sizeof(failure->message),
+			 "unexpected reply from the rate-limit script at Redis %s",
+			 rl_conn_name(conn));
+}
+
 /*
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not the integers the scripts return: the
@@ -288,12 +300,7 @@ rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 
 bad:
 	freeReplyObject(reply);
-	failure->first_in_outage = true;
-	failure->breaker_opened = false;
-	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
-	snprintf(failure->message, sizeof(failure->message),
-			 "unexpected reply from the rate-limit script at Redis %s",
-			 rl_conn_name(conn));
+	rl_unexpected_reply(conn, failure);
 	return false;
 }
 
@@ -882,12 +889,7 @@ rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
 
 bad:
 	freeReplyObject(reply);
-	failure->first_in_outage = true;
-	failure->breaker_opened = false;
-	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
-	snprintf(failure->message, sizeof(failure->message),
-			 "unexpected reply from the rate-limit script at Redis %s",
-			 rl_conn_name(conn));
+	rl_unexpected_reply(conn, failure);
 	return false;
 }
 
