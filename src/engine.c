@@ -771,11 +771,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 #define RL_BATCH_CALL_BYTES (1024 * 1024)
 
 /* A key of a batch: its cluster slot and its place in the caller's array. */
-typedef struct RlBatchKey
-{
-	int			slot;
-	int			index;
-} RlBatchKey;
+typedef RlSlotCharge RlBatchKey;
 
 /* A batch decision (rl_decide_batch) while it is sent. */
 typedef struct RlBatch
@@ -805,18 +801,6 @@ typedef struct RlBatch
 	char		numbers[4][24];
 	char		clock[24];
 } RlBatch;
-
-/* qsort order of RlBatchKey: by slot, then as the caller gave them */
-static int
-rl_batch_key_cmp(const void *a, const void *b)
-{
-	const RlBatchKey *x = (const RlBatchKey *) a;
-	const RlBatchKey *y = (const RlBatchKey *) b;
-
-	if (x->slot != y->slot)
-		return (x->slot > y->slot) - (x->slot < y->slot);
-	return (x->index > y->index) - (x->index < y->index);
-}
 
 /*
  * Turns the reply of a batch script call of n keys (keydata[j], keylen[j])
@@ -1127,7 +1111,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		}
 	}
 	if (rl_mode == RL_MODE_CLUSTER)
-		qsort(b.keys, n, sizeof(RlBatchKey), rl_batch_key_cmp);
+		qsort(b.keys, n, sizeof(RlBatchKey), rl_slot_charge_cmp);
 
 	/*
 	 * One call per run of keys of one slot, at most RL_BATCH_KEYS keys and

@@ -16,6 +16,29 @@
 #include "rl_redis.h"
 
 /*
+ * Reads the limit (lim, window_ms [, burst]: arguments 1, 2 and 4) of the
+ * explicit-limit SQL function being called into limit, and checks it.
+ */
+static void
+rl_limit_args(FunctionCallInfo fcinfo, int algorithm, RlLimit *limit)
+{
+	rl_check_not_null(fcinfo, 1, "lim");
+	rl_check_not_null(fcinfo, 2, "window_ms");
+	limit->algorithm = &rl_algorithms[algorithm];
+	limit->lim = PG_GETARG_INT32(1);
+	limit->window_ms = PG_GETARG_INT64(2);
+	limit->burst = 0;
+	/* burst: NULL means the same as lim */
+	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
+	{
+		limit->burst = PG_GETARG_INT32(4);
+		if (limit->burst <= 0)
+			limit->burst = -1;	/* rejected by rl_check_limit */
+	}
+	rl_check_limit(limit);
+}
+
+/*
  * Decides (or refunds) for the arguments (identity, lim, window_ms,
  * cost-or-amount [, burst]) of the SQL function being called.
  */
@@ -28,20 +51,7 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 	int32		cost;
 
 	identity = rl_get_identity(fcinfo, 0);
-	rl_check_not_null(fcinfo, 1, "lim");
-	rl_check_not_null(fcinfo, 2, "window_ms");
-	limit.algorithm = &rl_algorithms[algorithm];
-	limit.lim = PG_GETARG_INT32(1);
-	limit.window_ms = PG_GETARG_INT64(2);
-	limit.burst = 0;
-	/* burst: NULL means the same as lim */
-	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
-	{
-		limit.burst = PG_GETARG_INT32(4);
-		if (limit.burst <= 0)
-			limit.burst = -1;	/* rejected by rl_check_limit */
-	}
-	rl_check_limit(&limit);
+	rl_limit_args(fcinfo, algorithm, &limit);
 	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
 
 	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, false, d);
@@ -56,19 +66,7 @@ rl_decide_many_args(FunctionCallInfo fcinfo, int algorithm)
 {
 	RlLimit		limit;
 
-	rl_check_not_null(fcinfo, 1, "lim");
-	rl_check_not_null(fcinfo, 2, "window_ms");
-	limit.algorithm = &rl_algorithms[algorithm];
-	limit.lim = PG_GETARG_INT32(1);
-	limit.window_ms = PG_GETARG_INT64(2);
-	limit.burst = 0;
-	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
-	{
-		limit.burst = PG_GETARG_INT32(4);
-		if (limit.burst <= 0)
-			limit.burst = -1;	/* rejected by rl_check_limit */
-	}
-	rl_check_limit(&limit);
+	rl_limit_args(fcinfo, algorithm, &limit);
 	rl_batch_rows(fcinfo, &limit, NULL, 0, rl_get_cost(fcinfo, 3, "cost"));
 }
 
