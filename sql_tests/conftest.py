@@ -37,6 +37,57 @@ import pytest
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 
+# Under pytest-xdist (run_tests.sh runs the suite with -n), each worker works
+# in a database of its own, made by the _extension fixture: the statistics
+# (one row per database, policy and algorithm) and the rl_policy table of one
+# worker never see another worker's calls. Redis keys need no such care:
+# every test uses identities and policy names of its own.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ["PGDATABASE"] = "rl_pytest_%s" % XDIST_WORKER
+
+
+# ---------------------------------------------------------------- the run
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "alone: the test changes a server that the other tests share (ALTER SYSTEM, "
+        "pausing or reconfiguring the shared Redis); run_tests.sh runs these after "
+        "the parallel run, one at a time",
+    )
+    global _CONFIG
+    _CONFIG = config
+
+
+_CONFIG = None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """RL_TEST_ORDER=reverse runs the modules in reverse order (each module's
+    tests in their own order): a check that no module depends on another
+    having run first."""
+    if os.environ.get("RL_TEST_ORDER") != "reverse":
+        return
+    modules = []
+    for item in items:
+        if not modules or modules[-1][0] != item.module.__name__:
+            modules.append((item.module.__name__, []))
+        modules[-1][1].append(item)
+    items[:] = [item for _, group in reversed(modules) for item in group]
+
+
+def pytest_runtest_logreport(report):
+    """Appends each phase's duration to $RL_DURATIONS_FILE (in the process
+    that reports, not in xdist's workers), for run_tests.sh's list of the
+    slowest tests over both runs."""
+    path = os.environ.get("RL_DURATIONS_FILE")
+    if not path or _CONFIG is None or hasattr(_CONFIG, "workerinput"):
+        return
+    with open(path, "a") as f:
+        f.write("%.2f\t%s\t%s\n" % (report.duration, report.when, report.nodeid))
+
 
 # ---------------------------------------------------------------- PostgreSQL
 
@@ -155,6 +206,13 @@ def _extension():
                 "%s is not set: run these tests through sql_tests/run_tests.sh" % var,
                 returncode=2,
             )
+    if XDIST_WORKER:
+        with pg_connect(dbname="postgres") as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                                  (os.environ["PGDATABASE"],)).fetchone()
+            if not exists:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(
+                    sql.Identifier(os.environ["PGDATABASE"])))
     with pg_connect() as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS rl_redis")
     yield

@@ -18,6 +18,7 @@ packages=(
 	redis-tools
 	python3-psycopg
 	python3-pytest
+	python3-pytest-xdist
 	pgbouncer
 )
 

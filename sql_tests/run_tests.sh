@@ -1,30 +1,87 @@
 #!/usr/bin/env bash
 # The one test command (`make test`): installs missing packages, builds and
 # installs the extension, starts a throwaway Redis and PostgreSQL on free
-# loopback ports, runs every suite, stops both, and exits non-zero when any
-# suite fails.
+# loopback ports, runs every suite, stops both, prints the slowest tests and
+# exits non-zero when any suite fails.
+#
+# The pytest suites run in parallel (pytest-xdist, RL_TEST_JOBS workers,
+# default 4: most of a test's time is spent waiting on a server, not on a
+# core), then the tests marked `alone` (they change a server the others
+# share) run one at a time. The Debian package check runs beside pg_regress.
+#
+# A developer's loop: `bash sql_tests/run_tests.sh ARGS...` runs only pytest,
+# with ARGS (for example sql_tests/test_idle.py or -k refund), on the same
+# throwaway servers. RL_TEST_ORDER=reverse runs the modules in reverse order;
+# RL_NO_BUILD=1 tests the extension as installed (no clean, build, install).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 . sql_tests/lib.sh
-make -s clean >/dev/null 2>&1
-rl_build_install || exit 1
+start=$SECONDS
+if [ -z "${RL_NO_BUILD:-}" ]; then
+	make -s clean >/dev/null 2>&1
+	rl_build_install || exit 1
+fi
 rl_cluster_start || exit 1
+echo "== built, installed and started in $((SECONDS - start)) s"
+
+jobs=${RL_TEST_JOBS:-4}
+export RL_DURATIONS_FILE=${RL_DURATIONS_FILE:-$RL_DIR/durations.tsv}
+: >"$RL_DURATIONS_FILE"
+pytest=(/usr/bin/python3 -m pytest -q -p no:cacheprovider -p xdist)
+
+# Runs the pytest suites (or what the arguments select): the parallel part,
+# then the tests marked alone; returns non-zero when either fails.
+run_pytest() {
+	local rc=0 status
+	"${pytest[@]}" -n "$jobs" --dist loadgroup -m "not alone" "$@" || rc=1
+	"${pytest[@]}" -m alone "$@"
+	status=$?
+	# 5: nothing selected (arguments that pick no test marked alone)
+	[ $status -eq 0 ] || [ $status -eq 5 ] || rc=1
+	return $rc
+}
+
+# Prints the 15 slowest test phases of both pytest runs.
+print_slowest() {
+	echo "== the 15 slowest tests (setup, call or teardown)"
+	sort -t$'\t' -k1,1 -rn "$RL_DURATIONS_FILE" | head -15 |
+		awk -F'\t' '{printf "%8.2fs %-8s %s\n", $1, $2, $3}'
+}
+
+if [ $# -gt 0 ]; then
+	run_pytest "$@"
+	rc=$?
+	print_slowest
+	exit $rc
+fi
 
 failed=()
 
+# The package check starts servers of its own; it runs while pg_regress does.
+deb_log=$RL_DIR/test_deb.log
+bash sql_tests/test_deb.sh >"$deb_log" 2>&1 &
+deb_pid=$!
+
 echo "== pg_regress (make installcheck)"
+t=$SECONDS
 if ! make -s installcheck; then
 	failed+=(installcheck)
 	[ -f regression.diffs ] && head -200 regression.diffs
 fi
+echo "== pg_regress took $((SECONDS - t)) s"
 
-echo "== concurrency and fault tests (pytest)"
-/usr/bin/python3 -m pytest -q -p no:cacheprovider sql_tests || failed+=(pytest)
+echo "== concurrency and fault tests (pytest, $jobs workers, then the tests marked alone)"
+t=$SECONDS
+run_pytest sql_tests || failed+=(pytest)
+echo "== pytest took $((SECONDS - t)) s"
 
 echo "== Debian package (sql_tests/test_deb.sh)"
-bash sql_tests/test_deb.sh || failed+=(deb)
+wait "$deb_pid" || failed+=(deb)
+cat "$deb_log"
 
+print_slowest
+echo "== make test took $((SECONDS - start)) s"
 if [ ${#failed[@]} -gt 0 ]; then
 	echo "FAILED suites: ${failed[*]}"
 	exit 1

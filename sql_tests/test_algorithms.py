@@ -446,6 +446,7 @@ def test_terminated_backend_releases_slot(pg, shared_redis):
         a.close()
 
 
+@pytest.mark.alone  # the crash restart ends every session of the cluster
 def test_sigkilled_backend_slot_returns_after_lease(shared_redis):
     """A holder killed with SIGKILL never gives its slot back: the slot stays
     taken until its lease ends, then it is free. (SIGKILL makes the

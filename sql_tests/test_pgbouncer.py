@@ -79,7 +79,7 @@ class PgBouncer:
         self.logfile = os.path.join(self.dir, "pgbouncer.log")
 
     def _write_config(self):
-        target = "host=127.0.0.1 port=%d dbname=postgres" % self.pg_port
+        target = "host=127.0.0.1 port=%d dbname=%s" % (self.pg_port, os.environ.get("PGDATABASE", "postgres"))
         with open(os.path.join(self.dir, "userlist.txt"), "w") as f:
             for user in self.users:
                 f.write('"%s" ""\n' % user)

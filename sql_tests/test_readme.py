@@ -62,6 +62,10 @@ import pytest
 
 from conftest import pg_connect, resp_command
 
+# the blocks of a document build on each other: one xdist worker runs them all,
+# in document order
+pytestmark = pytest.mark.xdist_group("readme")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "examples", "*", "README.md"))

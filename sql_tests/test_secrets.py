@@ -173,6 +173,7 @@ def assert_password_hidden(conn, secrets):
                 assert secret not in repr(rows), query
 
 
+@pytest.mark.alone  # ALTER SYSTEM moves every session of the cluster to its Redis
 def test_password_in_config_is_hidden_from_ordinary_roles(pg, redis_factory, app_role, policy):
     password = new_secret("pw")
     r = redis_factory(password=password)
@@ -208,6 +209,7 @@ def test_password_in_config_is_hidden_from_ordinary_roles(pg, redis_factory, app
             conn.close()
 
 
+@pytest.mark.alone  # ALTER SYSTEM moves every session of the cluster to its Redis
 def test_password_file(pg, redis_factory, app_role, policy):
     password = new_secret("pwfile")
     r = redis_factory(password=password)

@@ -651,7 +651,7 @@ def test_metrics_format_and_values(pg, policies):
     check_histograms(samples, types)
 
     row = stats_row(pg, policy)
-    labels = dict(database="postgres", policy=policy, algorithm="sliding_counter")
+    labels = dict(database=pg.info.dbname, policy=policy, algorithm="sliding_counter")
     for c in ("calls", "allowed", "denied", "units_taken", "units_refunded", "errors",
               "fallback_allow", "fallback_deny", "outages"):
         assert types["rl_redis_%s_total" % c] == "counter"
