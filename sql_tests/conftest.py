@@ -21,6 +21,7 @@ import ...`): pg_connect, new_ident, set_gucs, use_redis, rl_key, RedisServer.
 """
 
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -443,6 +444,137 @@ class RedisServer:
                 return f.read()[-4000:]
         except OSError:
             return ""
+
+
+# ---------------------------------------------------------------- throwaway PostgreSQL
+
+PGBIN = os.environ.get("RL_PGBIN") or subprocess.run(
+    ["pg_config", "--bindir"], capture_output=True, text=True, check=True
+).stdout.strip()
+
+
+def as_owner(argv):
+    """argv as the cluster's owner (postgres when the tests run as root)."""
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--"] + argv
+    return argv
+
+
+def give_to_owner(path):
+    """Makes the cluster's owner (postgres when the tests run as root) own
+    path, user and group."""
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+
+
+class PgServer:
+    """A throwaway PostgreSQL in a folder of its own under RL_DIR: the one
+    way the tests start a server other than run_tests.sh's. It preloads
+    rl_redis (unless preload is false), points rl_redis.host and port at
+    `redis` (a RedisServer; None: the shared Redis), sets retry_interval 0
+    (no circuit breaker) and rl_redis.<name> = 'value' for each of conf, and
+    creates the extension in database postgres (unless extension is false).
+    remove() stops it and deletes its folder."""
+
+    def __init__(self, redis=None, max_connections=20, preload=True, extension=True, **conf):
+        self.redis = redis if redis is not None else _SharedRedis(int(os.environ["RL_REDIS_PORT"]))
+        self.base = os.path.join(os.environ["RL_DIR"], "pg-%s" % uuid.uuid4().hex[:8])
+        os.makedirs(self.base)
+        os.chmod(self.base, 0o755)
+        give_to_owner(self.base)
+        self.datadir = os.path.join(self.base, "pgdata")
+        self.logfile = os.path.join(self.base, "postgres.log")
+        self.port = free_port()
+        subprocess.run(
+            as_owner([os.path.join(PGBIN, "initdb"), "-D", self.datadir, "-U", "postgres",
+                      "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"]),
+            check=True, capture_output=True, timeout=120,
+        )
+        settings = {"rl_redis.host": "127.0.0.1", "rl_redis.port": self.redis.port,
+                    "rl_redis.retry_interval": 0}
+        settings.update(("rl_redis." + k, v) for k, v in conf.items())
+        with open(os.path.join(self.datadir, "postgresql.conf"), "a") as f:
+            f.write("port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"
+                    "fsync = off\nshared_buffers = 16MB\nmax_connections = %d\n"
+                    "shared_preload_libraries = '%s'\n"
+                    % (self.port, self.base, max_connections, "rl_redis" if preload else ""))
+            for name, value in settings.items():
+                f.write("%s = '%s'\n" % (name, value))
+        try:
+            self.start()
+            if extension:
+                with self.connect() as conn:
+                    conn.execute("CREATE EXTENSION rl_redis")
+        except BaseException:
+            self.remove()
+            raise
+
+    def start(self):
+        subprocess.run(
+            as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-l", self.logfile,
+                      "-w", "-t", "60", "start"]),
+            check=True, capture_output=True, timeout=90,
+        )
+
+    def connect(self, user="postgres", **gucs):
+        """A new autocommit session (superuser unless user is given), with
+        SET rl_redis.<k> = v."""
+        conn = pg_connect(host="127.0.0.1", port=self.port, user=user, dbname="postgres")
+        set_gucs(conn, **gucs)
+        return conn
+
+    def env(self):
+        """The libpq variables that make pg_connect() reach this server."""
+        return {"PGHOST": "127.0.0.1", "PGPORT": str(self.port), "PGDATABASE": "postgres",
+                "PGUSER": "postgres"}
+
+    def stop(self):
+        subprocess.run(
+            as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-m", "immediate",
+                      "-w", "stop"]),
+            capture_output=True, timeout=60,
+        )
+
+    def remove(self):
+        self.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def log(self):
+        with open(self.logfile, errors="replace") as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def private_server():
+    """A preloading PostgreSQL of the module's own on the shared Redis, for
+    tests that a server-wide event of another test would disturb (the deny
+    cache's refund counter, a crash restart). Use it with on_private_server."""
+    server = PgServer()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture
+def on_private_server(private_server, monkeypatch):
+    """Points pg_connect() (and so the pg fixture) at private_server for the
+    test: `pytestmark = pytest.mark.usefixtures("on_private_server")`."""
+    for name, value in private_server.env().items():
+        monkeypatch.setenv(name, value)
+    return private_server
+
+
+@pytest.fixture
+def unpreloaded_cluster():
+    """Port of a throwaway PostgreSQL that does not preload rl_redis (the
+    extension not created), pointed at the shared Redis; removed at teardown."""
+    server = PgServer(preload=False, extension=False, max_connections=10)
+    try:
+        yield server.port
+    finally:
+        server.remove()
 
 
 class _SharedRedis(RedisServer):

@@ -693,26 +693,29 @@ def test_split_statement_guard_with_refund_off(session, policies, guarded_table,
 
 @pytest.mark.parametrize("setting, value", [("nodes", "127.0.0.1:1"), ("sentinel_master", "elsewhere"),
                                             ("sentinel_password", "unused-pw")])
-def test_standalone_keeps_refunds_when_unused_settings_change(session, shared_redis, setting, value):
-    """Standalone mode (the default) on the shared Redis, refund_on_abort =
+def test_standalone_keeps_refunds_when_unused_settings_change(session, redis_factory, setting, value):
+    """Standalone mode (the default) on a Redis of its own (whose connection
+    count no other test moves), refund_on_abort =
     all: BEGIN; charge 2; SET rl_redis.<setting> (a setting standalone mode
     does not use); charge 1 more; ROLLBACK: all 3 units come back, no
     WARNING, and the session's connection to Redis was never reopened."""
-    conn = session(refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS, on_error="error")
+    r = redis_factory()
+    conn = session(host="127.0.0.1", port=r.port, refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS,
+                   on_error="error")
     notices = []
     conn.add_notice_handler(lambda d: notices.append("%s: %s" % (d.severity, d.message_primary)))
     identity = new_ident("standalone")
     q = "SELECT (r).allowed, (r).remaining FROM rl_fixed(%s, 5, 60000, %s) AS r"
     assert conn.execute(q, (identity, 0)).fetchone() == (True, 5)  # the connection is open
-    before = info_dict(shared_redis.command("INFO", "stats"))["total_connections_received"]
+    before = info_dict(r.command("INFO", "stats"))["total_connections_received"]
     conn.execute("BEGIN")
     assert conn.execute(q, (identity, 2)).fetchone() == (True, 3)
     conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier("rl_redis", setting), sql.Literal(value)))
     assert conn.execute(q, (identity, 1)).fetchone() == (True, 2)
     conn.execute("ROLLBACK")
-    after = info_dict(shared_redis.command("INFO", "stats"))["total_connections_received"]
+    after = info_dict(r.command("INFO", "stats"))["total_connections_received"]
     assert conn.execute(q, (identity, 0)).fetchone() == (True, 5), "the refund was lost"
-    assert shared_redis.command("HGET", rl_key("fixed", identity, lim=5, window_ms=60000), "n") in (None, "0")
+    assert r.command("HGET", rl_key("fixed", identity, lim=5, window_ms=60000), "n") in (None, "0")
     assert notices == [], notices
     # one connection: our own INFO (the session kept its connection)
     assert int(after) - int(before) == 1, (before, after)

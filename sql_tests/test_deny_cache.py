@@ -51,7 +51,11 @@ from conftest import QueryThread, new_ident, pg_connect, rl_key, set_gucs, use_r
 from test_stats import stats_row
 from redis_topology import made_policies, wait_for
 from test_faults import wait_until_active
-from test_stats import unpreloaded_cluster  # noqa: F401  (a fixture)
+
+# A refund or reset anywhere on a server empties every backend's cache: the
+# module's sessions work on a PostgreSQL of its own, where no other test
+# refunds anything.
+pytestmark = pytest.mark.usefixtures("on_private_server")
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
 ALGORITHMS = ["fixed", "sliding", "token_bucket", "gcra", "sliding_counter"]
@@ -865,7 +869,7 @@ def test_fallback_denial_is_not_remembered(sessions, redis_factory):
     assert scripts.new() == 1
 
 
-def test_without_preloading(unpreloaded_cluster, redis_factory):  # noqa: F811
+def test_without_preloading(unpreloaded_cluster, redis_factory):
     """A server without rl_redis in shared_preload_libraries: the setting is
     ignored with one WARNING per backend (at its first decision), and every
     call goes to Redis."""

@@ -6,28 +6,21 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 
 import psycopg
 import pytest
 
-from conftest import free_port, new_ident, pg_connect
+from conftest import PGBIN, as_owner, free_port, new_ident, pg_connect
 
-PGBIN = subprocess.run(
-    ["pg_config", "--bindir"], capture_output=True, text=True, check=True
-).stdout.strip()
-
-
-def as_owner(argv):
-    """argv as the cluster's owner (postgres when the tests run as root)."""
-    if os.geteuid() == 0:
-        return ["runuser", "-u", "postgres", "--"] + argv
-    return argv
+# one replica for the module's tests, on one xdist worker
+pytestmark = pytest.mark.xdist_group("replica")
 
 
 @pytest.fixture(scope="module")
 def replica():
     """Port of a streaming replica of the test cluster, stopped afterwards."""
-    datadir = os.path.join(os.environ["RL_DIR"], "replica")
+    datadir = os.path.join(os.environ["RL_DIR"], "replica-%s" % uuid.uuid4().hex[:8])
     port = free_port()
     subprocess.run(
         as_owner([
@@ -39,7 +32,7 @@ def replica():
     )
     with open(os.path.join(datadir, "postgresql.auto.conf"), "a") as f:
         f.write("port = %d\n" % port)
-    log = os.path.join(os.environ["RL_DIR"], "replica.log")
+    log = datadir + ".log"
     subprocess.run(
         as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", datadir, "-l", log,
                   "-w", "-t", "120", "start"]),

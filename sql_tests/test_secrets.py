@@ -10,9 +10,6 @@ point it at a Redis of their own that requires it.
 
 import contextlib
 import os
-import pwd
-import shutil
-import subprocess
 import time
 import uuid
 
@@ -20,25 +17,7 @@ import psycopg
 from psycopg import sql
 import pytest
 
-from conftest import free_port, new_ident, pg_connect
-
-PGBIN = os.environ.get("RL_PGBIN") or subprocess.run(
-    ["pg_config", "--bindir"], capture_output=True, text=True, check=True
-).stdout.strip()
-
-
-def as_owner(argv):
-    """argv as the cluster's owner (postgres when the tests run as root)."""
-    if os.geteuid() == 0:
-        return ["runuser", "-u", "postgres", "--"] + argv
-    return argv
-
-
-def give_to_owner(path):
-    """Makes the cluster's owner (postgres when we are root) own path."""
-    if os.geteuid() == 0:
-        pw = pwd.getpwnam("postgres")
-        os.chown(path, pw.pw_uid, pw.pw_gid)
+from conftest import PgServer, give_to_owner, new_ident, pg_connect
 
 
 def new_secret(tag):
@@ -385,29 +364,8 @@ def test_warning_when_not_preloaded(redis_factory):
     it then warns. A short-lived cluster of its own (about 2 s)."""
     password = new_secret("pwnopreload")
     r = redis_factory(password=password)
-    base = os.path.join(os.environ["RL_DIR"], "nopreload-%s" % uuid.uuid4().hex[:8])
-    os.makedirs(base)
-    os.chmod(base, 0o755)
-    give_to_owner(base)
-    datadir = os.path.join(base, "pgdata")
-    port = free_port()
-    subprocess.run(
-        as_owner([os.path.join(PGBIN, "initdb"), "-D", datadir, "-U", "postgres",
-                  "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"]),
-        check=True, capture_output=True, timeout=120,
-    )
-    with open(os.path.join(datadir, "postgresql.conf"), "a") as f:
-        f.write(
-            "port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"
-            "fsync = off\nshared_buffers = 16MB\nmax_connections = 10\n"
-            "rl_redis.host = '127.0.0.1'\nrl_redis.port = %d\nrl_redis.password = '%s'\n"
-            % (port, base, r.port, password)
-        )
-    log = os.path.join(base, "postgres.log")
-    subprocess.run(
-        as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", datadir, "-l", log, "-w", "-t", "60", "start"]),
-        check=True, capture_output=True, timeout=90,
-    )
+    server = PgServer(r, preload=False, extension=False, max_connections=10, password=password)
+    port = server.port
     try:
         su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
         try:
@@ -450,8 +408,4 @@ def test_warning_when_not_preloaded(redis_factory):
             assert time.monotonic() < deadline, "reload not seen"
             time.sleep(0.05)
     finally:
-        subprocess.run(
-            as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", datadir, "-m", "immediate", "-w", "stop"]),
-            capture_output=True, timeout=60,
-        )
-        shutil.rmtree(base, ignore_errors=True)
+        server.remove()

@@ -54,9 +54,7 @@ array), so the tests send it SIGTERM. Decisions are made on a frozen clock
 """
 
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -65,10 +63,10 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import QueryThread, RedisFactory, free_port, new_ident, pg_connect, rl_key, set_gucs
+import conftest
+from conftest import QueryThread, RedisFactory, new_ident, pg_connect, rl_key, set_gucs
 from redis_topology import made_policies, wait_for
 from test_batch import backend_tcp_ports, wait_until_active
-from test_stats import PGBIN, as_owner, unpreloaded_cluster  # noqa: F401  (a fixture)
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
 CENTURY_MS = 3153600000000  # a fixed window no test run crosses
@@ -83,70 +81,8 @@ WORKER_EXITED = "the rl_redis worker exited while a call to Redis was on its way
 # ---------------------------------------------------------------- a server
 
 
-class PgServer:
-    """A throwaway PostgreSQL that preloads rl_redis (unless preload is
-    false), with rl_redis.host and port pointing at `redis`, retry_interval
-    0 (no circuit breaker) and rl_redis.<name> = 'value' for each of conf;
-    the extension is created in database postgres. remove() stops it and
-    deletes its folder."""
-
-    def __init__(self, redis, max_connections=20, preload=True, **conf):
-        self.redis = redis
-        self.base = os.path.join(os.environ["RL_DIR"], "shared-%s" % uuid.uuid4().hex[:8])
-        os.makedirs(self.base)
-        os.chmod(self.base, 0o755)
-        if os.geteuid() == 0:
-            shutil.chown(self.base, "postgres")
-        self.datadir = os.path.join(self.base, "pgdata")
-        self.logfile = os.path.join(self.base, "postgres.log")
-        self.port = free_port()
-        subprocess.run(
-            as_owner([os.path.join(PGBIN, "initdb"), "-D", self.datadir, "-U", "postgres",
-                      "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"]),
-            check=True, capture_output=True, timeout=120,
-        )
-        settings = {"rl_redis.host": "127.0.0.1", "rl_redis.port": redis.port,
-                    "rl_redis.retry_interval": 0}
-        settings.update(("rl_redis." + k, v) for k, v in conf.items())
-        with open(os.path.join(self.datadir, "postgresql.conf"), "a") as f:
-            f.write("port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"
-                    "fsync = off\nshared_buffers = 16MB\nmax_connections = %d\n"
-                    "shared_preload_libraries = '%s'\n"
-                    % (self.port, self.base, max_connections, "rl_redis" if preload else ""))
-            for name, value in settings.items():
-                f.write("%s = '%s'\n" % (name, value))
-        try:
-            subprocess.run(
-                as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-l", self.logfile,
-                          "-w", "-t", "60", "start"]),
-                check=True, capture_output=True, timeout=90,
-            )
-            with self.connect() as conn:
-                conn.execute("CREATE EXTENSION rl_redis")
-        except BaseException:
-            self.remove()
-            raise
-
-    def connect(self, **gucs):
-        """A new autocommit superuser session, with SET rl_redis.<k> = v."""
-        conn = pg_connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres")
-        set_gucs(conn, **gucs)
-        return conn
-
-    def stop(self):
-        subprocess.run(
-            as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-m", "immediate",
-                      "-w", "stop"]),
-            capture_output=True, timeout=60,
-        )
-
-    def remove(self):
-        self.stop()
-        shutil.rmtree(self.base, ignore_errors=True)
-
-    def log(self):
-        with open(self.logfile, errors="replace") as f:
-            return f.read()
+class PgServer(conftest.PgServer):
+    """conftest's throwaway PostgreSQL, with a look at its processes."""
 
     def postmaster_pid(self):
         with open(os.path.join(self.datadir, "postmaster.pid")) as f:

@@ -12,8 +12,6 @@ throwaway PostgreSQL without preloading (scope 'backend').
 import math
 import os
 import re
-import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -24,10 +22,6 @@ import pytest
 
 from conftest import control_version, free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
 from test_lying_redis import LyingRedis
-
-PGBIN = subprocess.run(
-    ["pg_config", "--bindir"], capture_output=True, text=True, check=True
-).stdout.strip()
 
 COUNTERS = (
     "calls", "allowed", "denied", "units_taken", "units_refunded",
@@ -106,13 +100,6 @@ def sqlstate_of(conn, query, params=()):
     with pytest.raises(psycopg.Error) as exc:
         conn.execute(query, params)
     return exc.value.sqlstate
-
-
-def as_owner(argv):
-    """argv as the cluster's owner (postgres when the tests run as root)."""
-    if os.geteuid() == 0:
-        return ["runuser", "-u", "postgres", "--"] + argv
-    return argv
 
 
 def dead_port():
@@ -471,6 +458,7 @@ def test_rtt_buckets(pg, policies):
 # ---------------------------------------------------------------- reset, privileges
 
 
+@pytest.mark.alone  # the reset zeroes the rows of every test running meanwhile
 def test_reset_zeroes_every_row(pg, policies):
     policy = policies("fixed", 2, CENTURY_MS)
     ident = new_ident("streset")
@@ -778,45 +766,6 @@ def test_connections(pg, shared_redis_port):
 
 
 # ---------------------------------------------------------------- without preloading
-
-
-@pytest.fixture
-def unpreloaded_cluster(shared_redis_port):
-    """Port of a throwaway PostgreSQL that does not preload rl_redis,
-    pointed at the shared Redis; stopped and removed at teardown."""
-    base = os.path.join(os.environ["RL_DIR"], "nopreload-stats-%s" % uuid.uuid4().hex[:8])
-    os.makedirs(base)
-    os.chmod(base, 0o755)
-    if os.geteuid() == 0:
-        shutil.chown(base, "postgres")
-    datadir = os.path.join(base, "pgdata")
-    port = free_port()
-    subprocess.run(
-        as_owner([os.path.join(PGBIN, "initdb"), "-D", datadir, "-U", "postgres",
-                  "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"]),
-        check=True, capture_output=True, timeout=120,
-    )
-    with open(os.path.join(datadir, "postgresql.conf"), "a") as f:
-        f.write(
-            "port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"
-            "fsync = off\nshared_buffers = 16MB\nmax_connections = 10\n"
-            "shared_preload_libraries = ''\n"
-            "rl_redis.host = '127.0.0.1'\nrl_redis.port = %d\n"
-            % (port, base, shared_redis_port)
-        )
-    log = os.path.join(base, "postgres.log")
-    subprocess.run(
-        as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", datadir, "-l", log, "-w", "-t", "60", "start"]),
-        check=True, capture_output=True, timeout=90,
-    )
-    try:
-        yield port
-    finally:
-        subprocess.run(
-            as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", datadir, "-m", "immediate", "-w", "stop"]),
-            capture_output=True, timeout=60,
-        )
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_without_preloading_scope_backend(unpreloaded_cluster):
