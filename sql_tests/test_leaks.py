@@ -217,7 +217,9 @@ MIXED_BODY = """
 
 def test_million_calls_do_not_grow_memory(pg, shared_redis):
     warm, n = 20000, 1000000
-    use_redis(pg, shared_redis, on_error="error", sliding_max_lim=100000)
+    # a memory test: one slow reply among a million (the shared Redis serves
+    # the parallel tests too) must not end it, so command_timeout is long
+    use_redis(pg, shared_redis, on_error="error", sliding_max_lim=100000, command_timeout=60000)
     pid = pg.info.backend_pid
     idents = {k: new_ident("mem" + k) for k in "abc"}
 
