@@ -960,6 +960,10 @@ def test_track_denials_does_not_count_cached_answers(sessions, policies):
 # ---------------------------------------------------------------- bounded
 
 
+# The refund counter is one for the whole cluster: a refund by a test
+# running beside this one empties every cache; this test and the next count on
+# about 10 000 remembered denials staying for a while, so they run alone.
+@pytest.mark.alone
 def test_bounded_to_10000_entries(sessions):
     """12 000 identities (lim 1, taken by one batch) each denied once by a
     single call: no error; the cache was full at the 10 001st and, none
@@ -994,6 +998,7 @@ def test_bounded_to_10000_entries(sessions):
     assert scripts.new() == 1
 
 
+@pytest.mark.alone  # see test_bounded_to_10000_entries
 def test_full_cache_drops_expired_entries_first(sessions):
     """5 000 denials that expire after 1 s and 5 000 that last a minute fill
     the cache; at +2 s one more denial makes room by dropping only the
