@@ -450,39 +450,61 @@ def test_terminated_backend_releases_slot(pg, shared_redis):
 def test_sigkilled_backend_slot_returns_after_lease(shared_redis):
     """A holder killed with SIGKILL never gives its slot back: the slot stays
     taken until its lease ends, then it is free. (SIGKILL makes the
-    postmaster restart every backend; we reconnect with retries.)"""
-    lease_ms = 10000  # long enough to outlast the crash restart
+    postmaster restart every backend; we reconnect with retries.) On the
+    frozen clock: taken at T with a 60 s lease (the key's expiry in Redis,
+    60 s of real time, outlasts the crash restart), denied at T + 25 s with
+    exactly the 35 s left and at T + 60 s - 1 ms with 1 ms left, allowed at
+    T + 60 s, when the dead holder's entry is gone."""
+    lease_ms = 60000
     identity = new_ident("slot_kill9")
     key = key_of("concurrency", identity, lim=1, window_ms=lease_ms)
+    # a session of its own, ended by the crash restart: once it is gone, a
+    # new connection is one made after the restart
+    watcher = pg_connect()
     a = pg_connect()
     try:
+        set_gucs(a, test_clock_ms=TEST_CLOCK_MS)
         a.execute("BEGIN")
-        assert acquire(a, identity, 1, lease_ms)[0] is True
+        assert acquire(a, identity, 1, lease_ms) == (True, 1, 0, lease_ms, 0)
         pid = a.info.backend_pid
         members = shared_redis.command("ZRANGE", key, 0, -1, "WITHSCORES")
         assert len(members) == 2
-        lease_end_ms = float(members[1]) / 1000.0
+        dead = members[0]
+        assert float(members[1]) == (TEST_CLOCK_MS + lease_ms) * 1000.0
         os.kill(pid, signal.SIGKILL)
     finally:
         a.close()
 
-    time.sleep(0.5)
-    assert shared_redis.command("ZCARD", key) == 1  # nobody gave it back
+    deadline = time.monotonic() + 30
+    try:
+        while True:
+            assert time.monotonic() < deadline, "the crash restart never ended the other sessions"
+            try:
+                watcher.execute("SELECT 1")
+            except psycopg.OperationalError:
+                break
+            time.sleep(0.05)
+    finally:
+        watcher.close()
     b = connect_retry(timeout=30)
     try:
-        left = lease_end_ms - shared_redis.time_ms()
-        print("reconnected after the crash restart, %.0f ms of the lease left" % left)
-        assert left > 300, "the crash restart outlasted the lease; cannot check the denial"
-        denied = acquire(b, identity, 1, lease_ms)
-        left_after = lease_end_ms - shared_redis.time_ms()
-        assert denied[:3] == (False, 1, 0)
+        # every backend was restarted: nobody gave it back
+        assert shared_redis.command("ZRANGE", key, 0, -1) == [dead]
+        set_gucs(b, test_clock_ms=TEST_CLOCK_MS + 25000)
         # retry_after_ms is the time until the dead holder's lease ends
-        assert left_after - 5 <= denied[4] <= left + 5
-        # wait for the lease to end (Redis clock), plus a margin
-        while shared_redis.time_ms() < lease_end_ms + 1000:
-            time.sleep(0.1)
-        assert shared_redis.command("ZCARD", key) == 0  # expired / removed
-        assert acquire(b, identity, 1, lease_ms)[:3] == (True, 1, 0)
+        assert acquire(b, identity, 1, lease_ms) == (False, 1, 0, 35000, 35000)
+        set_gucs(b, test_clock_ms=TEST_CLOCK_MS + lease_ms - 1)
+        assert acquire(b, identity, 1, lease_ms) == (False, 1, 0, 1, 1)
+        assert shared_redis.command("ZRANGE", key, 0, -1) == [dead]
+        set_gucs(b, test_clock_ms=TEST_CLOCK_MS + lease_ms)
+        b.execute("BEGIN")
+        assert acquire(b, identity, 1, lease_ms) == (True, 1, 0, lease_ms, 0)
+        # the dead holder's entry is gone; the one left is b's new slot
+        members = shared_redis.command("ZRANGE", key, 0, -1, "WITHSCORES")
+        assert len(members) == 2 and members[0] != dead, members
+        assert float(members[1]) == (TEST_CLOCK_MS + 2 * lease_ms) * 1000.0
+        b.execute("COMMIT")
+        assert exists(shared_redis, key) == 0
     finally:
         b.close()
 

@@ -332,8 +332,14 @@ class BlackHole:
 
     def close(self):
         self.sock.close()
-        for conn in self.accepted:
-            conn.close()
+        with self.cond:
+            for conn in self.accepted:
+                conn.close()
+
+    # closing the port and every connection ends the decisions waiting on
+    # it at once (a lost connection: on_error says the answer); wait_for
+    # first the decisions that must be among them
+    release = close
 
 
 @pytest.fixture
@@ -464,33 +470,35 @@ def test_quota_exhaustion(service, shared_redis, endpoint):
         assert shared_redis.command("ZCARD", key) == limit
 
 
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_window_expiry(service, shared_redis, endpoint):
-    limit, window = 2, 1
-    for _ in range(6):
-        if endpoint == FIXED:
-            # start early in a 1 s window of the Redis clock
-            into = shared_redis.time_ms() % 1000
-            if into > 200:
-                time.sleep((1000 - into + 20) / 1000.0)
-        identity = new_ident("http-expiry")
-        t0 = shared_redis.time_ms()
-        got = [service.decide(endpoint, identity, limit, window) for _ in range(3)]
-        t1 = shared_redis.time_ms()
-        if endpoint == FIXED and t0 // 1000 == t1 // 1000:
-            break  # all three in one fixed window
-        if endpoint == SLIDING and t1 - t0 < 700:
-            break  # all three well inside one rolling second
-    else:
-        pytest.fail("3 requests never fitted in one window")
+def clock_env(clock_ms):
+    """The environment of a service whose sessions run on the frozen clock
+    clock_ms (rl_redis.test_clock_ms, through libpq's PGOPTIONS: the tests
+    connect as a superuser)."""
+    env = dict(os.environ)
+    env["PGOPTIONS"] = (env.get("PGOPTIONS", "") + " -c rl_redis.test_clock_ms=%d" % clock_ms).strip()
+    return env
 
+
+TEST_CLOCK_MS = 1800000000000  # a whole minute (2027-01-15)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_window_expiry(start_service, shared_redis, endpoint):
+    """limit 2 per 1 s on the frozen clock: at T two allowed and one denied
+    (Retry-After 1); a service whose clock reads T + 1 s (the window has
+    passed) allows the identity again with one left."""
+    limit, window = 2, 1
+    # both started at once (most of a start is the interpreter's)
+    before, after = concurrently(2, lambda i: start_service(env=clock_env(TEST_CLOCK_MS + 1000 * i)))
+    identity = new_ident("http-expiry")
+    got = [before.decide(endpoint, identity, limit, window) for _ in range(3)]
     assert [r.status for r in got] == [200, 200, 429], got
     check_allowed(got[0], limit, 1, window)
     check_allowed(got[1], limit, 0, window)
     assert check_denied(got[2], limit, window) == 1
+    assert before.decide(endpoint, identity, limit, window).status == 429
 
-    time.sleep(2.5)
-    check_allowed(service.decide(endpoint, identity, limit, window), limit, 1, window)
+    check_allowed(after.decide(endpoint, identity, limit, window), limit, 1, window)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -1194,14 +1202,19 @@ def test_max_connections_all_busy_new_ones_wait(start_service, black_hole):
 
 
 def test_max_in_flight(start_service, black_hole):
-    svc = start_service("--max-in-flight", "2", "--dsn", hung_redis_dsn(black_hole, "allow", 3000))
+    """Two requests in flight (their decisions hang until the black hole
+    lets go; the timeouts are far longer than the test): a third gets 503
+    at once; the two are answered once released."""
+    svc = start_service("--max-in-flight", "2", "--statement-timeout-ms", "60000",
+                        "--dsn", hung_redis_dsn(black_hole, "allow", 30000))
     busy = [svc.raw() for _ in range(2)]
     for conn in busy:
         conn.send(http_request(FIXED, VALID))
-    black_hole.wait_for(2)  # both are being decided, for 3 s
+    black_hole.wait_for(2)  # both are being decided, until released
     resp = svc.post(FIXED, VALID)
     assert resp.status == 503 and "in flight" in resp.json["error"], resp
     assert resp.headers["Retry-After"] == "1"
+    black_hole.release()
     assert [c.response().status for c in busy] == [200, 200]  # answered after the third
     for conn in busy:
         conn.close()
@@ -1250,23 +1263,28 @@ def test_sigterm_drains_requests_in_progress(start_service, black_hole):
     """SIGTERM: idle connections are closed, new ones refused, and the
     requests in progress (one waiting on the database, one whose body is
     still arriving) are answered before the process exits 0."""
-    svc = start_service("--dsn", hung_redis_dsn(black_hole, "allow", 1500))
+    # the decision hangs until the black hole lets go (the timeouts are far
+    # longer than the test): it is surely in progress during the shutdown
+    svc = start_service("--statement-timeout-ms", "60000",
+                        "--dsn", hung_redis_dsn(black_hole, "allow", 30000))
     idle = svc.raw()
-    idle.send(http_request(HEALTHZ, method="GET"))
-    assert idle.response().status == 503  # the hung Redis
+    idle.send(http_request("/no-such-path", method="GET"))
+    assert idle.response().status == 404  # answered: the connection is idle
     deciding = svc.raw()
     deciding.send(http_request(FIXED, VALID))
     uploading = svc.raw()
     # on loopback the bytes are in the server's socket when send returns, so
     # the service reads them before it handles the signal sent after them
     uploading.send(_post_with(HOST, CL, body=GOOD_BODY[:10]))
-    black_hole.wait_for(2)  # the health check's decision, then this one's
+    black_hole.wait_for(1)  # the decision reached "Redis"
     svc.signal(signal.SIGTERM)
     assert idle.closed_by_server(5)
     time.sleep(0.2)
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", svc.port), timeout=5)
     uploading.send(GOOD_BODY[10:])
+    black_hole.wait_for(2)  # its decision reached "Redis" too
+    black_hole.release()
     for conn in (deciding, uploading):
         resp = conn.response()
         assert resp.status == 200 and resp.header("Connection") == "close", resp

@@ -1,10 +1,18 @@
 """rl_redis.idle_timeout: a session's Redis connections are closed once it
 has been idle that long (counted from the end of its last transaction), and
-the next call opens a new one. Measured on the Redis side with CLIENT LIST."""
+the next call opens a new one. Measured on the Redis side with CLIENT LIST.
+
+The timeouts are short (300 ms); a closing is waited for by polling CLIENT
+LIST, and checked to come no earlier than the timeout after the moment the
+last call was sent (its transaction ended after that)."""
 
 import time
 
+import pytest
+
 from conftest import new_ident, pg_connect, set_gucs
+
+TIMEOUT_MS = 300
 
 
 def clients(redis):
@@ -13,26 +21,56 @@ def clients(redis):
     return sorted(int(l.split("id=")[1].split(" ")[0]) for l in lines if "cmd=client" not in l)
 
 
+def wait_until_closed(redis, timeout=15.0, busy=None):
+    """Polls CLIENT LIST until redis has no client (running busy() between
+    two looks, if given); returns time.monotonic() then."""
+    deadline = time.monotonic() + timeout
+    while clients(redis):
+        assert time.monotonic() < deadline, "the idle connection was never closed"
+        if busy is not None:
+            busy()
+        time.sleep(0.02)
+    return time.monotonic()
+
+
 def test_idle_connection_is_closed_and_reopened(redis_factory):
     redis = redis_factory()
     conn = pg_connect()
     try:
-        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=800)
+        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=TIMEOUT_MS)
         identity = new_ident("idle")
-        q = "SELECT rl_fixed_allow(%s, 10, 600000)"
-        assert conn.execute(q, (identity,)).fetchone()[0] is True
-        first = clients(redis)
-        assert len(first) == 1
-        # busy within the timeout: the same connection
-        for _ in range(3):
-            time.sleep(0.1)
+        q = "SELECT rl_fixed_allow(%s, 100, 600000)"
+        calls = 0
+        # busy within the timeout: the same connection. Each idle gap is
+        # bounded from above by the time from sending one call to the answer
+        # of the next; an attempt where a loaded machine stretched one to the
+        # timeout proves nothing and is made again.
+        for _ in range(5):
+            sent = time.monotonic()
             assert conn.execute(q, (identity,)).fetchone()[0] is True
+            calls += 1
+            first = clients(redis)
+            assert len(first) == 1
+            longest = 0.0
+            for _ in range(3):
+                time.sleep(0.05)
+                before = time.monotonic()
+                assert conn.execute(q, (identity,)).fetchone()[0] is True
+                calls += 1
+                longest, sent = max(longest, time.monotonic() - sent), before
+            if longest < TIMEOUT_MS / 1000.0:
+                break
+        else:
+            pytest.fail("never 3 calls within %d ms of each other" % TIMEOUT_MS)
         assert clients(redis) == first
-        # idle longer: Redis sees it go
-        time.sleep(2.5)
+        # idle longer: Redis sees it go, not before the timeout has passed
+        # since the last call was sent
+        closed = wait_until_closed(redis)
+        assert closed - sent >= TIMEOUT_MS / 1000.0, closed - sent
         assert clients(redis) == []
         # the next call connects again, and the count went on
-        assert conn.execute("SELECT (rl_fixed(%s, 10, 600000)).remaining", (identity,)).fetchone()[0] == 5
+        assert conn.execute("SELECT (rl_fixed(%s, 100, 600000)).remaining",
+                            (identity,)).fetchone()[0] == 100 - calls - 1
         second = clients(redis)
         assert len(second) == 1 and second != first
     finally:
@@ -40,13 +78,15 @@ def test_idle_connection_is_closed_and_reopened(redis_factory):
 
 
 def test_no_idle_timeout_keeps_the_connection(redis_factory):
+    """Without the setting the connection stays over twice the timeout the
+    other tests here see closing."""
     redis = redis_factory()
     conn = pg_connect()
     try:
         set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0)
         assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("keep"),)).fetchone()[0]
         first = clients(redis)
-        time.sleep(1.0)
+        time.sleep(2 * TIMEOUT_MS / 1000.0)
         assert clients(redis) == first and len(first) == 1
     finally:
         conn.close()
@@ -54,7 +94,8 @@ def test_no_idle_timeout_keeps_the_connection(redis_factory):
 
 def test_a_long_transaction_is_not_idle(redis_factory):
     """Inside a transaction the connection stays, however long the work
-    between two calls; slots and refunds of that transaction still work."""
+    between two calls (here 2.5 times the timeout); slots and refunds of
+    that transaction still work."""
     redis = redis_factory()
     conn = pg_connect(autocommit=False)
     try:
@@ -65,7 +106,7 @@ def test_a_long_transaction_is_not_idle(redis_factory):
         q = "SELECT (rl_fixed(%s, 10, 600000)).remaining"
         assert conn.execute(q, (identity,)).fetchone()[0] == 9
         first = clients(redis)
-        conn.execute("SELECT pg_sleep(0.8)")
+        conn.execute("SELECT pg_sleep(0.5)")
         assert clients(redis) == first
         assert conn.execute(q, (identity,)).fetchone()[0] == 8
         conn.rollback()  # gives both back
@@ -83,19 +124,18 @@ def test_other_transactions_do_not_keep_it_open(redis_factory):
     redis = redis_factory()
     conn = pg_connect()
     try:
-        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=300)
+        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=TIMEOUT_MS)
+        sent = time.monotonic()
         assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("busy"),)).fetchone()[0]
         assert len(clients(redis)) == 1
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 1.5:
-            conn.execute("SELECT 1")
-            time.sleep(0.05)
+        closed = wait_until_closed(redis, busy=lambda: conn.execute("SELECT 1"))
+        assert closed - sent >= TIMEOUT_MS / 1000.0, closed - sent
         assert clients(redis) == []
         assert conn.execute("SELECT state FROM rl_redis_connections()").fetchall() == [("closed",)]
-        # turned off: the next idle period keeps it
+        # turned off: the next idle period keeps it (twice the old timeout)
         set_gucs(conn, idle_timeout=0)
         assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("busy"),)).fetchone()[0]
-        time.sleep(1.0)
+        time.sleep(2 * TIMEOUT_MS / 1000.0)
         assert len(clients(redis)) == 1
     finally:
         conn.close()
