@@ -40,7 +40,11 @@
 
 PGDLLEXPORT void rl_worker_main(Datum arg);
 
-/* Registers the worker; called from _PG_init while preloading. */
+/*
+ * Registers the worker, restarted rl_redis.worker_restart_interval after it
+ * exits; called from _PG_init while preloading, after the settings are
+ * defined.
+ */
 void
 rl_worker_register(void)
 {
