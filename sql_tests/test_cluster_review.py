@@ -29,7 +29,10 @@ a469871 "Cluster/Sentinel review fixes"). One or more tests per finding:
 
 Fake servers (FakeServer: a Python RESP server answering what the test
 scripts, or nothing at all) stand in for lying cluster nodes, sentinels and
-hung servers; real redis-server processes hold the data. About 20 s.
+hung servers; real redis-server processes hold the data. The tests that wait
+for the sentinels' re-check or for a new fetch of the slot map shorten it
+(rl_redis.sentinel_recheck_interval, rl_redis.slot_map_refresh_interval)
+and wait the interval they set and a little more. About 20 s.
 """
 
 import os
@@ -52,6 +55,14 @@ TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
 HUGE_WINDOW_MS = 10**12  # a fixed window that does not roll over before 2033
 FIXED = "SELECT rl_fixed_allow(%s, 5, %s)"
 PASSWORD = "review-pw-1618"
+SENTINEL_RECHECK_MS = 100  # rl_redis.sentinel_recheck_interval where a test waits for it (production: 1 s)
+SLOT_MAP_REFRESH_MS = 10  # rl_redis.slot_map_refresh_interval where a test waits for it (production: 100 ms)
+
+
+def past_interval(ms):
+    """Sleeps a little longer than the interval ms (the backend started it
+    before its reply reached us)."""
+    time.sleep(ms / 1000.0 + 0.05)
 
 
 # ------------------------------------------------------------------- RESP
@@ -335,14 +346,15 @@ def test_hung_first_sentinel_then_a_working_one(session, fakes, redis_factory):
     """nodes = '<hung>,<working>' (the hung one accepts and never answers),
     connect_timeout 500, command_timeout 5000, on_error = error: the call is
     decided by Redis (the master's counter moves) within 2.5 s, and so are
-    the calls after the 1 s re-check interval, each under 0.5 s: the
-    sentinel that answered is asked first from then on, the hung one is
-    never asked again."""
+    the calls after the re-check interval (SENTINEL_RECHECK_MS), each under
+    0.5 s: the sentinel that answered is asked first from then on, the hung
+    one is never asked again."""
     master = redis_factory()
     hung = fakes()
     good = fakes(sentinel_handler(SentinelTarget(master.port)))
     conn = session(mode="sentinel", nodes="%s,%s" % (hung.addr, good.addr), sentinel_master="mymaster",
-                   connect_timeout=500, command_timeout=5000, on_error="error")
+                   connect_timeout=500, command_timeout=5000, on_error="error",
+                   sentinel_recheck_interval=SENTINEL_RECHECK_MS)
     identity = new_ident("hungsent")
     value, elapsed = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True and elapsed < 2.5, (value, elapsed, hung.connections, good.count("SENTINEL"))
@@ -350,7 +362,7 @@ def test_hung_first_sentinel_then_a_working_one(session, fakes, redis_factory):
     asked_good = good.count("SENTINEL")
     assert asked_good >= 1
     for i in range(2):
-        time.sleep(1.1)  # past the re-check interval: the sentinels are asked again
+        past_interval(SENTINEL_RECHECK_MS)  # the sentinels are asked again
         value, elapsed = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
         assert value is True and elapsed < 0.5, (i, value, elapsed)
         assert master.command("HGET", fixed_key(identity), "n") == str(2 + i)
@@ -360,19 +372,19 @@ def test_hung_first_sentinel_then_a_working_one(session, fakes, redis_factory):
 
 def test_the_sentinel_that_answered_is_asked_first(session, fakes, redis_factory):
     """nodes = '<a sentinel that does not know the master>,<a working one>':
-    the first call asks both; the re-checks after it (1 s apart) ask the
-    working one first, and the other one never again."""
+    the first call asks both; the re-checks after it (SENTINEL_RECHECK_MS
+    apart) ask the working one first, and the other one never again."""
     master = redis_factory()
     unknowing = fakes(lambda s, args: r_err("ERR No such master with that name")
                       if args[0].upper() == "SENTINEL" else basic_reply(args))
     good = fakes(sentinel_handler(SentinelTarget(master.port)))
     conn = session(mode="sentinel", nodes="%s,%s" % (unknowing.addr, good.addr), sentinel_master="mymaster",
-                   on_error="error")
+                   on_error="error", sentinel_recheck_interval=SENTINEL_RECHECK_MS)
     identity = new_ident("first")
     assert conn.execute(FIXED, (identity, HUGE_WINDOW_MS)).fetchone()[0] is True
     assert (unknowing.count("SENTINEL"), good.count("SENTINEL")) == (1, 1)
     for i in range(2):
-        time.sleep(1.1)
+        past_interval(SENTINEL_RECHECK_MS)
         assert conn.execute(FIXED, (identity, HUGE_WINDOW_MS)).fetchone()[0] is True
     assert good.count("SENTINEL") == 3
     assert unknowing.count("SENTINEL") == 1, "the sentinel that failed was asked first again"
@@ -539,13 +551,14 @@ def test_slot_map_with_2000_nodes_is_refused(session, fakes, solo_node):
 
     seed = fakes(cluster_handler(slots, lambda s, a: r_err("MOVED %d 127.0.0.1:%d" % (key_slot(a[3]),
                                                                                       solo_node.port))))
-    conn = session(mode="cluster", nodes=seed.addr, on_error="error")
+    conn = session(mode="cluster", nodes=seed.addr, on_error="error",
+                   slot_map_refresh_interval=SLOT_MAP_REFRESH_MS)
     pid = conn.info.backend_pid
     identity = new_ident("many")
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert is_class_08(value), value
     set_gucs(conn, on_error="deny")
-    time.sleep(0.15)  # a failed fetch of the map is not tried again for 100 ms
+    past_interval(SLOT_MAP_REFRESH_MS)  # a failed fetch of the map is not tried again before
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is False, value
     assert seed.count("CLUSTER", "SLOTS") >= 2
@@ -555,7 +568,7 @@ def test_slot_map_with_2000_nodes_is_refused(session, fakes, solo_node):
     # the seed tells the truth now: the same session decides on the real node
     state["lie"] = False
     set_gucs(conn, on_error="error")
-    time.sleep(0.15)
+    past_interval(SLOT_MAP_REFRESH_MS)
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True, "after a refused 2000-node map, a truthful map was not taken: %r" % (value,)
     assert solo_node.command("HGET", fixed_key(identity), "n") == "1"

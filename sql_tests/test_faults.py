@@ -592,6 +592,62 @@ def test_non_superuser_cannot_set_timeouts(pg):
         drop_app_role(pg, role)
 
 
+# (name, unit, production default, least, context): the timers tests shorten
+TIMER_SETTINGS = [
+    ("rl_redis.xact_end_budget", "ms", 1000, 1, "superuser"),
+    ("rl_redis.worker_restart_interval", "s", 1, 0, "postmaster"),
+    ("rl_redis.sentinel_recheck_interval", "ms", 1000, 1, "superuser"),
+    ("rl_redis.slot_map_refresh_interval", "ms", 100, 1, "superuser"),
+]
+
+
+def test_timer_settings_for_tests(pg):
+    """The settings that let tests shorten the built-in timers: each has its
+    production value as default and as maximum (none can make anything wait
+    longer: 22023 above it) and is refused to an ordinary role (42501); the
+    worker's restart interval is read at server start (55P02 for SET, even
+    by a superuser; reloadable, and without effect, when the library is not
+    preloaded, as there is no worker then)."""
+    preloaded = "rl_redis" in pg.execute("SHOW shared_preload_libraries").fetchone()[0]
+    rows = pg.execute(
+        "SELECT name, unit, boot_val, reset_val, setting, min_val, max_val, context "
+        "FROM pg_settings WHERE name = ANY(%s) ORDER BY name",
+        ([t[0] for t in TIMER_SETTINGS],)).fetchall()
+    want = [(name, unit, str(default), str(default), str(default), str(least), str(default),
+             context if context != "postmaster" or preloaded else "sighup")
+            for name, unit, default, least, context in sorted(TIMER_SETTINGS)]
+    assert rows == want
+    for name, _, default, _, context in TIMER_SETTINGS:
+        with pytest.raises(psycopg.Error) as exc:
+            pg.execute("SET %s = %d" % (name, default + 1))
+        assert exc.value.sqlstate == ("55P02" if context == "postmaster" else "22023"), (name, exc.value)
+    pg.execute("SET rl_redis.xact_end_budget = 100")
+    assert pg.execute("SHOW rl_redis.xact_end_budget").fetchone()[0] == "100ms"
+    with pytest.raises(psycopg.Error) as exc:
+        pg.execute("SET rl_redis.worker_restart_interval = 0")
+    assert exc.value.sqlstate == "55P02", exc.value
+
+    role = create_app_role(pg)
+    conn = None
+    try:
+        conn = pg_connect(user=role)
+        assert allow(conn, new_ident("timers")) is True  # loads the library
+        for name, _, default, least, context in TIMER_SETTINGS:
+            with pytest.raises(psycopg.Error) as exc:
+                conn.execute("SET %s = %d" % (name, least))
+            assert exc.value.sqlstate == ("55P02" if context == "postmaster" else "42501"), (name, exc.value)
+            if context == "superuser":
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute("SELECT set_config(%s, %s, false)", (name, str(least)))
+            # still the production value in the role's session
+            assert conn.execute("SELECT setting FROM pg_settings WHERE name = %s",
+                                (name,)).fetchone() == (str(default),), name
+    finally:
+        if conn is not None:
+            conn.close()
+        drop_app_role(pg, role)
+
+
 # ------------------------------------------------------------ Unix socket
 
 

@@ -26,7 +26,18 @@ from redis_topology import (connections, backend_identity, timed, MASTER_NAME, R
 
 HUGE_WINDOW_MS = 10**12  # a fixed window that does not roll over before 2033
 BIG_LIM = 1000000
-RESUME_BOUND_S = 5.0  # decisions are on the new master this long after the switch
+SENTINEL_RECHECK_MS = 100  # rl_redis.sentinel_recheck_interval of the failover test (production: 1 s)
+RESUME_MARGIN_S = 4.0  # how much later than the re-check interval decisions reach the new master
+
+
+def resume_bound(recheck_ms=1000):
+    """Seconds after the sentinels switched (or promoted the replica) from
+    which every decision is on the new master, for sessions that ask the
+    sentinels again every recheck_ms."""
+    return recheck_ms / 1000.0 + RESUME_MARGIN_S
+
+
+RESUME_BOUND_S = resume_bound()  # for sessions with the production re-check interval
 
 
 # ---------------------------------------------------------------- helpers
@@ -421,14 +432,17 @@ def test_failover_under_load(sessions, fresh_redis_sentinel):
     charges one identity; from the failover on, every call charges a fresh
     identity, so where each call landed can be read afterwards. Checked:
     at most one failed call per session (class 08); the counts made before
-    the failover are on the new master; from RESUME_BOUND_S after the
-    sentinels switched, every allowed call landed on the new master; and no
+    the failover are on the new master; from resume_bound(SENTINEL_RECHECK_MS)
+    after the sentinels switched (the sessions ask them again every
+    SENTINEL_RECHECK_MS), every allowed call landed on the new master; and no
     script reached the old master from then on, through its demotion (which
     Sentinel does about 10 s later) and after."""
     topo = fresh_redis_sentinel
     old = topo.current_master()
     new = topo.other_data_node(old)
-    conns = [sessions(topo, on_error="error", connect_timeout=1000, command_timeout=1000) for _ in range(4)]
+    conns = [sessions(topo, on_error="error", connect_timeout=1000, command_timeout=1000,
+                      sentinel_recheck_interval=SENTINEL_RECHECK_MS) for _ in range(4)]
+    resume_s = resume_bound(SENTINEL_RECHECK_MS)
     base = new_ident("sfo")
     phase = [0]
 
@@ -447,7 +461,7 @@ def test_failover_under_load(sessions, fresh_redis_sentinel):
     o, n = topo.failover()
     t_switch = time.monotonic()
     assert (o, n) == (old, new)
-    time.sleep(max(0.0, t_switch + RESUME_BOUND_S + 0.5 - time.monotonic()))
+    time.sleep(max(0.0, t_switch + resume_s + 0.5 - time.monotonic()))
     old_scripts = script_calls(old)
     topo.wait_demoted(old, timeout=60)
     t_demoted = time.monotonic()
@@ -475,7 +489,7 @@ def test_failover_under_load(sessions, fresh_redis_sentinel):
           "%.1f s after the switch]"
           % (t_switch - t_failover, len(lost), max((r[2] for r in lost), default=t_switch) - t_switch,
              t_demoted - t_switch), end="")
-    bound = t_switch + RESUME_BOUND_S
+    bound = t_switch + resume_s
     stray = [r for r in lost if r[2] > bound]
     assert stray == [], "%d calls after the bound did not land on the new master: %r" % (len(stray), stray[:3])
     for s in range(len(conns)):

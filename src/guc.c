@@ -43,6 +43,10 @@ char	   *rl_key_prefix = NULL;
 int			rl_on_error = RL_ON_ERROR_ERROR;
 int			rl_refund_on_abort = RL_REFUND_GUARDS;
 double		rl_test_clock_ms = 0;
+int			rl_xact_end_budget = RL_XACT_END_BUDGET_MS;
+int			rl_worker_restart_interval = RL_WORKER_RESTART_S;
+int			rl_sentinel_recheck_interval = RL_SENTINEL_RECHECK_MS;
+int			rl_slot_map_refresh_interval = RL_SLOT_MAP_REFRESH_MS;
 int			rl_max_lease = 3600000;
 int			rl_sliding_max_lim = 10000;
 bool		rl_tls = false;
@@ -742,6 +746,53 @@ rl_define_gucs(void)
 							 PGC_SUSET,
 							 GUC_NOT_IN_SAMPLE,
 							 NULL, NULL, NULL);
+
+	/*
+	 * Timers that tests shorten so as not to wait them out. Each default is
+	 * the production value and also the most allowed: these settings can
+	 * make nothing wait longer than it does without them.
+	 */
+	DefineCustomIntVariable("rl_redis.xact_end_budget",
+							"For tests: the most a transaction end (or a backend's exit) waits on Redis for slot releases and refunds.",
+							"Less when rl_redis.command_timeout is smaller. What is not sent within it goes with the session's next call.",
+							&rl_xact_end_budget,
+							RL_XACT_END_BUDGET_MS, 1, RL_XACT_END_BUDGET_MS,
+							PGC_SUSET,
+							GUC_NOT_IN_SAMPLE | GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	/*
+	 * The worker is registered, with this restart time, while the library
+	 * is preloaded; loaded later, there is no worker and the setting is
+	 * defined as reloadable (and without effect), as
+	 * rl_redis.shared_queue_size is.
+	 */
+	DefineCustomIntVariable("rl_redis.worker_restart_interval",
+							"For tests: how soon the postmaster starts the rl_redis worker again after it exited.",
+							"Zero starts it at once. Only with the library in shared_preload_libraries, read at server start.",
+							&rl_worker_restart_interval,
+							RL_WORKER_RESTART_S, 0, RL_WORKER_RESTART_S,
+							process_shared_preload_libraries_in_progress ? PGC_POSTMASTER : PGC_SIGHUP,
+							GUC_NOT_IN_SAMPLE | GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("rl_redis.sentinel_recheck_interval",
+							"For tests: how long after they were last asked the sentinels are asked again which server is the master.",
+							"Only with rl_redis.mode = sentinel.",
+							&rl_sentinel_recheck_interval,
+							RL_SENTINEL_RECHECK_MS, 1, RL_SENTINEL_RECHECK_MS,
+							PGC_SUSET,
+							GUC_NOT_IN_SAMPLE | GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("rl_redis.slot_map_refresh_interval",
+							"For tests: the least time between two fetches of the Redis Cluster's slot map.",
+							"Only with rl_redis.mode = cluster.",
+							&rl_slot_map_refresh_interval,
+							RL_SLOT_MAP_REFRESH_MS, 1, RL_SLOT_MAP_REFRESH_MS,
+							PGC_SUSET,
+							GUC_NOT_IN_SAMPLE | GUC_UNIT_MS,
+							NULL, NULL, NULL);
 
 	MarkGUCPrefixReserved("rl_redis");
 }

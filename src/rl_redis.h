@@ -126,6 +126,10 @@ extern char *rl_key_prefix;
 extern int	rl_on_error;
 extern int	rl_refund_on_abort;
 extern double rl_test_clock_ms;
+extern int	rl_xact_end_budget;
+extern int	rl_worker_restart_interval;
+extern int	rl_sentinel_recheck_interval;
+extern int	rl_slot_map_refresh_interval;
 extern int	rl_max_lease;
 extern int	rl_sliding_max_lim;
 extern bool rl_tls;
@@ -485,6 +489,22 @@ extern void rl_deny_cache_forget(void);
  * time the scripts compute stays below 2^53 microseconds.
  */
 #define RL_MAX_TEST_CLOCK_MS 4102444800000.0
+
+/*
+ * The production values of the timers that tests may shorten (each is also
+ * the most its setting allows, so that no setting makes anything wait
+ * longer): the most a transaction end waits on Redis
+ * (rl_redis.xact_end_budget), how soon the postmaster starts a worker that
+ * exited (rl_redis.worker_restart_interval), how often the sentinels are
+ * asked again while calls go to the master
+ * (rl_redis.sentinel_recheck_interval), and the least time between two
+ * fetches of a Redis Cluster's slot map
+ * (rl_redis.slot_map_refresh_interval).
+ */
+#define RL_XACT_END_BUDGET_MS 1000
+#define RL_WORKER_RESTART_S 1
+#define RL_SENTINEL_RECHECK_MS 1000
+#define RL_SLOT_MAP_REFRESH_MS 100
 
 /* The arguments of one limit. */
 struct RlLimit

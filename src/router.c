@@ -14,15 +14,16 @@
  * unchanged; TRYAGAIN and CLUSTERDOWN are retried with a growing pause
  * within rl_redis.command_timeout; a READONLY reply or a connection that
  * failed asks for a fresh map. A fresh map is fetched at most every
- * RL_REFRESH_MS.
+ * rl_redis.slot_map_refresh_interval.
  *
  * sentinel: the sentinels (rl_redis.nodes, else host:port) are asked in
  * order for the address of rl_redis.sentinel_master; the connection to it
  * checks with ROLE that it is the master before any command (transport.c).
  * A READONLY reply, a failed connection or a ROLE that is not master makes
  * the next call ask the sentinels again, and so does a call more than
- * RL_SENTINEL_RECHECK_MS after they were last asked: a demoted master that
- * has not learnt it yet would still take writes.
+ * rl_redis.sentinel_recheck_interval after they were last asked: after a
+ * failover, the old master may take a while to learn that it is one no
+ * more, and would take writes meanwhile.
  *
  * A call is sent again only when it cannot have run: after a redirection
  * or a READONLY reply (Redis refused it before running it), or when it
@@ -45,16 +46,6 @@
 
 /* the most redirections, or retries, one call follows */
 #define RL_MAX_REDIRECTS 8
-
-/* the least time between two fetches of the slot map */
-#define RL_REFRESH_MS 100
-
-/*
- * How often the sentinels are asked again while calls go to the master:
- * after a failover, the old master may take a while to learn that it is
- * one no more, and would take writes meanwhile.
- */
-#define RL_SENTINEL_RECHECK_MS 1000
 
 /*
  * The most keys of a several-limits call sent through the shared queue:
@@ -505,7 +496,8 @@ rl_cluster_refresh(RlFailure *failure)
 out:
 	/* the next try waits as long as the breaker would */
 	map_fetched_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-												 Max(rl_retry_interval, RL_REFRESH_MS) - RL_REFRESH_MS);
+												 Max(rl_retry_interval, rl_slot_map_refresh_interval) -
+												 rl_slot_map_refresh_interval);
 	return false;
 }
 
@@ -613,7 +605,7 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 		if (may_ask &&
 			(master_conn == NULL || master_stale ||
 			 TimestampDifferenceExceeds(master_checked_at, GetCurrentTimestamp(),
-										RL_SENTINEL_RECHECK_MS)))
+										rl_sentinel_recheck_interval)))
 		{
 			may_ask = false;
 			(void) rl_sentinel_discover(failure);
@@ -632,7 +624,7 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 	{
 		if (may_ask && (!map_loaded || map_stale) &&
 			GetCurrentTimestamp() >= TimestampTzPlusMilliseconds(map_fetched_at,
-																 RL_REFRESH_MS))
+																 rl_slot_map_refresh_interval))
 		{
 			may_ask = false;
 			(void) rl_cluster_refresh(failure);

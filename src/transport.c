@@ -186,9 +186,6 @@ static uint64 settings_version = 1;
 /* the settings_version of the last rl_conn_get */
 static uint64 current_seen = 0;
 
-/* the most a transaction end waits on Redis */
-#define RL_XACT_END_BUDGET_MS 1000
-
 static char inbuf[16384];
 
 /* the timeout that closes idle connections (rl_redis.idle_timeout) */
@@ -1782,7 +1779,7 @@ rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
 
 /*
  * At the end of a (sub)transaction: writes the queue to an open connection
- * within RL_XACT_END_BUDGET_MS (less when command_timeout is smaller).
+ * within rl_redis.xact_end_budget (less when command_timeout is smaller).
  * Interrupts are held here, so the budget is the only bound; nothing here
  * raises or connects.
  */
@@ -1902,7 +1899,7 @@ static void
 rl_xact_end(bool abort)
 {
 	RlConn	   *conn;
-	int			budget = RL_XACT_END_BUDGET_MS;
+	int			budget = rl_xact_end_budget;
 	TimestampTz deadline;
 
 	/* one budget for the whole transaction end */
@@ -1959,15 +1956,15 @@ rl_register_exit(void)
 /*
  * When the backend exits: sends what each connection has queued and reads
  * the replies still due (or hands the queue of one not open to the worker
- * of the shared transport), all within RL_XACT_END_BUDGET_MS, so that closing
- * a socket with unread replies (which resets the connection) cannot make
- * Redis drop commands it had not read yet.
+ * of the shared transport), all within rl_redis.xact_end_budget, so that
+ * closing a socket with unread replies (which resets the connection) cannot
+ * make Redis drop commands it had not read yet.
  */
 static void
 rl_transport_exit(int code, Datum arg)
 {
 	RlConn	   *conn;
-	TimestampTz deadline = rl_deadline(RL_XACT_END_BUDGET_MS);
+	TimestampTz deadline = rl_deadline(rl_xact_end_budget);
 
 	HOLD_INTERRUPTS();
 	for (conn = conn_list; conn != NULL; conn = conn->next)

@@ -17,7 +17,7 @@
  *
  * If it exits, the calls it had taken fail (on_error applies in their
  * sessions), those still queued are sent by their sessions, and the
- * postmaster starts it again after RL_WORKER_RESTART_S.
+ * postmaster starts it again after rl_redis.worker_restart_interval.
  */
 #include "postgres.h"
 
@@ -35,15 +35,16 @@
 
 #include "rl_redis.h"
 
-/* how soon the postmaster starts a worker that exited */
-#define RL_WORKER_RESTART_S 1
-
 /* how long the worker sleeps with nothing to do (its idle check) */
 #define RL_WORKER_NAP_MS 1000
 
 PGDLLEXPORT void rl_worker_main(Datum arg);
 
-/* Registers the worker; called from _PG_init while preloading. */
+/*
+ * Registers the worker, restarted rl_redis.worker_restart_interval after it
+ * exits; called from _PG_init while preloading, after the settings are
+ * defined.
+ */
 void
 rl_worker_register(void)
 {
@@ -54,7 +55,7 @@ rl_worker_register(void)
 	memset(&worker, 0, sizeof(worker));
 	worker.bgw_flags = BGWORKER_SHMEM_ACCESS;
 	worker.bgw_start_time = BgWorkerStart_PostmasterStart;
-	worker.bgw_restart_time = RL_WORKER_RESTART_S;
+	worker.bgw_restart_time = rl_worker_restart_interval;
 	snprintf(worker.bgw_library_name, BGW_MAXLEN, "rl_redis");
 	snprintf(worker.bgw_function_name, BGW_MAXLEN, "rl_worker_main");
 	snprintf(worker.bgw_name, BGW_MAXLEN, "rl_redis worker");
