@@ -58,6 +58,11 @@ def pytest_configure(config):
         "pausing or reconfiguring the shared Redis); run_tests.sh runs these after "
         "the parallel run, one at a time",
     )
+    config.addinivalue_line(
+        "markers",
+        "heavy: a test of tens of seconds; it is started first, so that the parallel "
+        "run does not wait for it at the end",
+    )
     global _CONFIG
     _CONFIG = config
 
@@ -66,17 +71,17 @@ _CONFIG = None
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """RL_TEST_ORDER=reverse runs the modules in reverse order (each module's
-    tests in their own order): a check that no module depends on another
-    having run first."""
-    if os.environ.get("RL_TEST_ORDER") != "reverse":
-        return
-    modules = []
-    for item in items:
-        if not modules or modules[-1][0] != item.module.__name__:
-            modules.append((item.module.__name__, []))
-        modules[-1][1].append(item)
-    items[:] = [item for _, group in reversed(modules) for item in group]
+    """Tests marked heavy go first. RL_TEST_ORDER=reverse runs the modules
+    in reverse order (each module's tests in their own order): a check that
+    no module depends on another having run first."""
+    if os.environ.get("RL_TEST_ORDER") == "reverse":
+        modules = []
+        for item in items:
+            if not modules or modules[-1][0] != item.module.__name__:
+                modules.append((item.module.__name__, []))
+            modules[-1][1].append(item)
+        items[:] = [item for _, group in reversed(modules) for item in group]
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 def pytest_runtest_logreport(report):

@@ -902,6 +902,7 @@ def vm_hwm_kb(pid):
     raise AssertionError("no VmHWM for process %d" % pid)
 
 
+@pytest.mark.heavy
 def test_memory_of_a_million_identities(redis_factory, policies):
     """rl_check_many of 1 000 000 distinct identities (a fixed window, lim
     1 000) on a Redis of its own: all allowed, and the backend's peak

@@ -860,6 +860,7 @@ def test_slot_follows_exception_block(env, kind):
 # ============================================================ 6. bounded bookkeeping
 
 
+@pytest.mark.heavy
 def test_refund_bookkeeping_is_bounded(env):
     """Item 3: 200 000 guarded rows of 10 tenants, 2 500 exception blocks
     that raise and 2 500 that do not, in one transaction, keep the refund bookkeeping small

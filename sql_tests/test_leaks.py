@@ -215,6 +215,7 @@ MIXED_BODY = """
     END CASE;"""
 
 
+@pytest.mark.heavy
 def test_million_calls_do_not_grow_memory(pg, shared_redis):
     warm, n = 20000, 1000000
     # a memory test: one slow reply among a million (the shared Redis serves

@@ -427,6 +427,7 @@ class Hammer:
         return [r for r in self.calls(s) if isinstance(r[4], BaseException)]
 
 
+@pytest.mark.heavy
 def test_failover_under_load(sessions, fresh_redis_sentinel):
     """SENTINEL FAILOVER while 4 sessions call. Before it, each session
     charges one identity; from the failover on, every call charges a fresh

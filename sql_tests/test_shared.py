@@ -454,7 +454,7 @@ def test_eight_sessions_one_connection(shared_server, sessions, policies):
 # ---------------------------------------------------------- connection count
 
 
-@pytest.mark.parametrize("n", [8, 100])
+@pytest.mark.parametrize("n", [8, pytest.param(100, marks=pytest.mark.heavy)])
 def test_connection_count(shared_server, sessions, policies, capsys, n):
     """n sessions calling rl_allow at once (20 calls each, lim 10 per
     session's identity): shared -> the server holds 1 connection to Redis
