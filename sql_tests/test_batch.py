@@ -1135,6 +1135,7 @@ def test_track_denials_counts_every_denied_identity(clock, policies, shared_redi
     assert int(float(shared_redis.command("ZSCORE", bucket, ids[0]))) == 6
 
 
+@pytest.mark.alone  # it times Redis commands: no other test competes for the cores
 def test_track_denials_of_a_huge_batch_hold_redis_briefly(redis_factory, policies):
     """track_denials on, a policy of lim 1 whose one identity is exhausted
     first: a batch of 200 000 copies of it is denied 200 000 times, counted
