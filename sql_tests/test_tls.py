@@ -5,7 +5,6 @@ server, and the settings' privileges."""
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -13,7 +12,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import free_port, new_ident, pg_connect, rl_key, set_gucs
+from conftest import REDIS_CLI, RedisServer, new_ident, pg_connect, rl_key, set_gucs
 
 
 def openssl(*args, cwd):
@@ -52,58 +51,58 @@ def certs():
     shutil.rmtree(d, ignore_errors=True)
 
 
-class TlsRedis:
-    """A redis-server that listens only on a TLS port."""
+class TlsRedis(RedisServer):
+    """conftest's redis-server, listening only on a TLS port (self.port)."""
 
-    def __init__(self, certs, auth_clients):
+    def __init__(self, base_dir, name, certs, auth_clients):
+        super().__init__(base_dir, name)
         self.certs = certs
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="rl_redis_tls_srv.")
-        argv = [
-            "redis-server", "--port", "0", "--tls-port", str(self.port),
-            "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", self.dir,
-            "--tls-cert-file", os.path.join(certs, "server.pem"),
-            "--tls-key-file", os.path.join(certs, "server.key"),
-            "--tls-ca-cert-file", os.path.join(certs, "good-ca.pem"),
-            "--tls-auth-clients", "yes" if auth_clients else "no",
-        ]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while self.cli("PING") != "PONG":
-            assert time.monotonic() < deadline, "TLS redis-server did not start"
-            time.sleep(0.1)
+        self.auth_clients = auth_clients
 
-    def cli(self, *args):
+    def _argv(self):
+        argv = super()._argv()
+        argv[argv.index("--port") + 1] = "0"
+        return argv + [
+            "--tls-port", str(self.port),
+            "--tls-cert-file", os.path.join(self.certs, "server.pem"),
+            "--tls-key-file", os.path.join(self.certs, "server.key"),
+            "--tls-ca-cert-file", os.path.join(self.certs, "good-ca.pem"),
+            "--tls-auth-clients", "yes" if self.auth_clients else "no",
+        ]
+
+    def _wait_ready(self, deadline):
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if self.cli("PING", check=False) == "PONG":
+                return True
+            time.sleep(0.05)
+        return False
+
+    def cli(self, *args, check=True):
+        """redis-cli over TLS, with the client certificate."""
         r = subprocess.run(
-            ["redis-cli", "--tls", "--cacert", os.path.join(self.certs, "good-ca.pem"),
+            [REDIS_CLI, "--tls", "--cacert", os.path.join(self.certs, "good-ca.pem"),
              "--cert", os.path.join(self.certs, "client.pem"),
              "--key", os.path.join(self.certs, "client.key"),
-             "-p", str(self.port), *args],
-            capture_output=True, text=True,
+             "-h", "127.0.0.1", "-p", str(self.port), *[str(a) for a in args]],
+            capture_output=True, text=True, timeout=15,
         )
+        if check and r.returncode != 0:
+            raise RuntimeError("redis-cli %s failed: %s" % (args, r.stderr))
         return r.stdout.strip()
-
-    def close(self):
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture
-def tls_redis(certs):
-    servers = []
-
+def tls_redis(certs, redis_factory):
+    """tls_redis(auth_clients=False) -> a new TlsRedis, killed at teardown."""
     def start(auth_clients=False):
-        s = TlsRedis(certs, auth_clients)
-        servers.append(s)
-        return s
+        server = TlsRedis(redis_factory.base_dir, "tls%d" % len(redis_factory.servers),
+                          certs, auth_clients)
+        redis_factory.servers.append(server)
+        return server.start()
 
     yield start
-    for s in servers:
-        s.close()
 
 
 def use_tls(conn, server, certs, **gucs):
@@ -202,14 +201,14 @@ def test_tls_hung_server_and_cancel(pg, tls_redis, certs):
     use_tls(pg, r, certs)
     identity = new_ident("tls_hung")
     assert sliding(pg, identity, 100) == (True, 99)
-    r.proc.send_signal(signal.SIGSTOP)
+    r.pause()
     pg.execute("SET statement_timeout = '300ms'")
     t0 = time.monotonic()
     with pytest.raises(psycopg.errors.QueryCanceled):
         sliding(pg, identity, 100)
     assert time.monotonic() - t0 < 1.0
     pg.execute("RESET statement_timeout")
-    r.proc.send_signal(signal.SIGCONT)
+    r.resume()
     # the abandoned connection is not reused: the reply belongs to this call
     # (lim is echoed back; an explicit limit is a key of its own, so lim 777
     # starts from a full allowance)
