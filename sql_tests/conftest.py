@@ -70,10 +70,21 @@ def pytest_configure(config):
 _CONFIG = None
 
 
+# Module-scoped fixtures that start a server of their own (seconds each):
+# the tests that use one stay on one xdist worker, which starts it once.
+ONE_WORKER_FIXTURES = ("shared_server",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    """Tests marked heavy go first. RL_TEST_ORDER=reverse runs the modules
-    in reverse order (each module's tests in their own order): a check that
-    no module depends on another having run first."""
+    """Tests marked heavy go first; the tests of a fixture of
+    ONE_WORKER_FIXTURES share an xdist group. RL_TEST_ORDER=reverse runs the
+    modules in reverse order (each module's tests in their own order): a
+    check that no module depends on another having run first."""
+    for item in items:
+        for name in ONE_WORKER_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(name))
     if os.environ.get("RL_TEST_ORDER") == "reverse":
         modules = []
         for item in items:
