@@ -72,7 +72,7 @@ _CONFIG = None
 
 # Module-scoped fixtures that start a server of their own (seconds each):
 # the tests that use one stay on one xdist worker, which starts it once.
-ONE_WORKER_FIXTURES = ("shared_server",)
+ONE_WORKER_FIXTURES = ("shared_server", "private_server")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks

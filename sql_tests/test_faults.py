@@ -648,6 +648,34 @@ def test_timer_settings_for_tests(pg):
         drop_app_role(pg, role)
 
 
+def test_timer_settings_refused_through_a_placeholder(unpreloaded_cluster):
+    """Before a session loads the library, rl_redis.* names are placeholders
+    that any role may SET: an ordinary role's value of a timer setting is
+    refused when the library loads (WARNING 42501) and the production value
+    stays; a role setting of one is refused outright (42501)."""
+    with pg_connect(host="127.0.0.1", port=unpreloaded_cluster, user="postgres",
+                    dbname="postgres") as su:
+        su.execute("CREATE EXTENSION rl_redis")
+        role = create_app_role(su)
+        try:
+            with pg_connect(host="127.0.0.1", port=unpreloaded_cluster, user=role,
+                            dbname="postgres") as conn:
+                notices = []
+                conn.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.sqlstate)))
+                for name, _, _, least, context in TIMER_SETTINGS:
+                    conn.execute("SET %s = %d" % (name, least))  # a placeholder: accepted
+                assert allow(conn, new_ident("placeholder")) is True  # loads the library
+                refused = [n for n in notices if n == ("WARNING", "42501")]
+                assert len(refused) == sum(1 for t in TIMER_SETTINGS if t[4] != "postmaster"), notices
+                for name, _, default, _, _ in TIMER_SETTINGS:
+                    assert conn.execute("SELECT setting FROM pg_settings WHERE name = %s",
+                                        (name,)).fetchone() == (str(default),), name
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute('ALTER ROLE "%s" SET rl_redis.xact_end_budget = 1' % role)
+        finally:
+            drop_app_role(su, role)
+
+
 # ------------------------------------------------------------ Unix socket
 
 

@@ -754,7 +754,7 @@ rl_define_gucs(void)
 	 */
 	DefineCustomIntVariable("rl_redis.xact_end_budget",
 							"For tests: the most a transaction end (or a backend's exit) waits on Redis for slot releases and refunds.",
-							"Less when rl_redis.command_timeout is smaller. What is not sent within it goes with the session's next call.",
+							"A transaction end waits at most rl_redis.command_timeout too, and what it did not send goes with the session's next call; what an exiting backend did not send is not sent.",
 							&rl_xact_end_budget,
 							RL_XACT_END_BUDGET_MS, 1, RL_XACT_END_BUDGET_MS,
 							PGC_SUSET,
