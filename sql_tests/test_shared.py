@@ -1011,19 +1011,19 @@ def test_unknown_scripts_in_one_worker_round(clusters, lose):
 
 
 def test_worker_idle_timeout(clusters):
-    """rl_redis.idle_timeout = 2 s in the server's configuration: the
-    worker closes its idle connection (within 10 s the server holds none)
+    """rl_redis.idle_timeout = 5 s in the server's configuration: the
+    worker closes its idle connection (within 20 s the server holds none)
     and opens one again for the next call. (The timeout is long enough that
     a loaded machine's pause between a call and the look at CLIENT LIST
     does not close the connection in between.)"""
-    server, redis = clusters(idle_timeout=2000)
+    server, redis = clusters(idle_timeout=5000)
     conn = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
     try:
         ident = new_ident("idle")
         assert explicit(conn, "fixed", ident, 5, 60000)[:3] == (True, 5, 4)
         worker = server.worker_pid()
         assert server.clients() == {worker: 1}
-        wait_for(lambda: server.clients() == {}, 10.0, "the worker to close its idle connection")
+        wait_for(lambda: server.clients() == {}, 20.0, "the worker to close its idle connection")
         assert explicit(conn, "fixed", ident, 5, 60000)[:3] == (True, 5, 3)
         assert server.clients() == {worker: 1}
     finally:
