@@ -35,8 +35,10 @@ import psycopg
 from psycopg import sql
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+# RL_REDIS_SERVER / RL_REDIS_CLI (set by sql_tests/test_matrix.sh to
+# valkey-server / valkey-cli) pick the server that every test starts
+REDIS_SERVER = shutil.which(os.environ.get("RL_REDIS_SERVER") or "redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which(os.environ.get("RL_REDIS_CLI") or "redis-cli") or "/usr/bin/redis-cli"
 
 # Under pytest-xdist (run_tests.sh runs the suite with -n), each worker works
 # in a database of its own, made by the _extension fixture: the statistics

@@ -247,7 +247,7 @@ cat >"$WORK/smoke.expected" <<-'EOF'
 	EOF
 diff -u "$WORK/smoke.expected" "$WORK/smoke.out" >&2 ||
 	fail "the packaged extension decided otherwise (- expected, + got)"
-keys=$(redis-cli -p "$RL_REDIS_PORT" --scan --pattern 'debsmoke:*' | wc -l)
+keys=$("$RL_REDIS_CLI" -p "$RL_REDIS_PORT" --scan --pattern 'debsmoke:*' | wc -l)
 [ "$keys" -ge 6 ] || fail "only $keys debsmoke:* keys in Redis"
 ok "smoke test: every algorithm, a policy, a concurrency slot and the 1.0 upgrade, $keys keys in Redis"
 
