@@ -110,6 +110,11 @@ ok "META.json is valid JSON with the PGXN keys, version $UPVER"
 echo "== dpkg-buildpackage -us -uc -b"
 PGV=$(pg_config --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
 PKG=postgresql-$PGV-rl-redis
+# debian/control names the packages of Debian 12's PostgreSQL 15; on another
+# major (17 in trixie, 18 in sid: make test-matrix) pg_buildext makes it anew
+# from control.in, as Debian's own builds of extensions do
+(cd "$SRC" && pg_buildext updatecontrol) >"$WORK/updatecontrol.log" 2>&1 ||
+	{ cat "$WORK/updatecontrol.log" >&2; fail "pg_buildext updatecontrol failed"; }
 (cd "$SRC" && dpkg-buildpackage -us -uc -b) >"$WORK/build.log" 2>&1 ||
 	{ tail -40 "$WORK/build.log" >&2; fail "dpkg-buildpackage failed (log above)"; }
 DEB=$(ls "$WORK/${PKG}_${DEBVER}"_*.deb 2>/dev/null | head -1)
