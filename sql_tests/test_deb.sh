@@ -152,7 +152,8 @@ dpkg-deb -I "$DEB" control
 depends=$(dpkg-deb -f "$DEB" Depends)
 [ "$(dpkg-deb -f "$DEB" Package)" = "$PKG" ] || fail "Package is not $PKG"
 [ "$(dpkg-deb -f "$DEB" Version)" = "$DEBVER" ] || fail "Version is not $DEBVER"
-for dep in "postgresql-$PGV\b" 'libhiredis[0-9.]+ ' 'libssl[0-9.]+ ' 'libc6 '; do
+# libssl3t64 on trixie and sid (Debian's 64-bit time_t transition)
+for dep in "postgresql-$PGV\b" 'libhiredis[0-9.]+ ' 'libssl[0-9.]+(t64)? ' 'libc6 '; do
 	grep -Eq "(^|, )$dep" <<<"$depends" || fail "Depends lacks ${dep%% *}: $depends"
 done
 ok "Depends: $depends"
