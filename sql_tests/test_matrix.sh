@@ -108,11 +108,15 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# Runs a command in the root filesystem $1 with a clean environment (plus
+# the VAR=value arguments given before it). In the background and waited
+# for, so that an INT or TERM reaches the trap (and its cleanup) at once.
 in_chroot() {
 	local root=$1
 	shift
 	chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-		HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive "$@"
+		HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive "$@" &
+	wait $!
 }
 
 # Makes (or keeps) the root filesystem of distribution $1.
