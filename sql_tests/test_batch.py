@@ -1134,9 +1134,6 @@ def test_track_denials_counts_every_denied_identity(clock, policies, shared_redi
     assert int(float(shared_redis.command("ZSCORE", bucket, ids[0]))) == 6
 
 
-# alone: SLOWLOG's 50 ms bound is wall time in Redis; beside 3 busy xdist workers on 2 cores one call
-# took 66-92 ms (make test-matrix, Redis 8.0 and Valkey 8.1 alike; under 50 ms in the runs before)
-@pytest.mark.alone
 def test_track_denials_of_a_huge_batch_hold_redis_briefly(redis_factory, policies):
     """track_denials on, a policy of lim 1 whose one identity is exhausted
     first: a batch of 200 000 copies of it is denied 200 000 times, counted
