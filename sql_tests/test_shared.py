@@ -619,9 +619,6 @@ def sample_of(idents, n=200):
     return sorted({idents[round(k * step)] for k in range(n)})
 
 
-# alone: the ROLLBACK has RL_XACT_END_BUDGET_MS (1 s) to write 60 calls of 1 000 keys; beside 3 busy
-# xdist workers on 2 cores it ran out (make test-matrix: 6 000-13 000 keys left for the next command)
-@pytest.mark.alone
 def test_rollback_refund_of_60000_keys_with_own_connection(shared_server, sessions, policies):
     """refund_on_abort = 'all', shared: BEGIN; rl_check_many of 60 000
     distinct identities (a batch: it opens the session's own connection);
