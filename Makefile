@@ -47,11 +47,16 @@ src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh src/algorithms.h
 	sh src/embed_lua.sh lua src/algorithms.h > $@.tmp && mv $@.tmp $@
 
 src/scripts.o: src/lua_scripts.h
-$(OBJS): src/rl_redis.h src/algorithms.h
+$(OBJS): src/rl_redis.h src/compat.h src/algorithms.h
 
-.PHONY: test demo bench
+.PHONY: test test-matrix demo bench
 test:
 	bash sql_tests/run_tests.sh
+
+# PostgreSQL 17 and 18, Redis 8 and Valkey 8/9, each in a Debian root
+# filesystem (trixie, sid) made once under /var/cache/rl_redis-matrix
+test-matrix:
+	bash sql_tests/test_matrix.sh
 
 demo:
 	bash examples/demo.sh

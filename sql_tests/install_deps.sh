@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages that building, testing and the demo need,
 # when any of them is missing. Safe to run again: it does nothing when all
-# are present.
+# are present. RL_PG_MAJOR (default 15) names the PostgreSQL major (17 in
+# trixie, 18 in sid: sql_tests/test_matrix.sh sets it); RL_REDIS_SERVER=
+# valkey-server adds Valkey's packages.
 set -euo pipefail
+pgv=${RL_PG_MAJOR:-15}
 
 packages=(
 	build-essential
-	postgresql-15
-	postgresql-server-dev-15
+	postgresql-$pgv
+	postgresql-server-dev-$pgv
 	libhiredis-dev
 	libssl-dev
 	# the Debian package (sql_tests/test_deb.sh, dpkg-buildpackage)
@@ -21,6 +24,9 @@ packages=(
 	python3-pytest-xdist
 	pgbouncer
 )
+case ${RL_REDIS_SERVER:-} in
+valkey*) packages+=(valkey-server valkey-tools) ;;
+esac
 
 missing=()
 for p in "${packages[@]}"; do

@@ -16,6 +16,12 @@
 # as the README's install steps do), so the installed rl_redis.so must exist
 # before rl_cluster_start; RL_PRELOAD=<list> overrides the setting (an empty
 # list starts the cluster without preloading).
+#
+# RL_REDIS_SERVER / RL_REDIS_CLI name the server and its client (default
+# redis-server / redis-cli; valkey-server / valkey-cli for Valkey); the
+# Python tests (conftest.py) read the same variables.
+RL_REDIS_SERVER=${RL_REDIS_SERVER:-redis-server}
+RL_REDIS_CLI=${RL_REDIS_CLI:-redis-cli}
 
 # Installs the packages that are missing (sql_tests/install_deps.sh), then
 # builds and installs the extension; sudo for the install when not root.
@@ -48,10 +54,10 @@ rl_as_owner() {
 rl_wait_redis() {
 	local port=$1 i
 	for i in $(seq 1 100); do
-		[ "$(redis-cli -p "$port" ping 2>/dev/null)" = PONG ] && return 0
+		[ "$("$RL_REDIS_CLI" -p "$port" ping 2>/dev/null)" = PONG ] && return 0
 		sleep 0.1
 	done
-	echo "redis-server on port $port did not start" >&2
+	echo "$RL_REDIS_SERVER on port $port did not start" >&2
 	return 1
 }
 
@@ -67,7 +73,7 @@ rl_cluster_start() {
 	export RL_DIR RL_REDIS_PORT RL_PGPORT
 	trap rl_cluster_stop EXIT
 
-	redis-server --port "$RL_REDIS_PORT" --bind 127.0.0.1 --save '' \
+	"$RL_REDIS_SERVER" --port "$RL_REDIS_PORT" --bind 127.0.0.1 --save '' \
 		--appendonly no --dir "$RL_DIR" --logfile "$RL_DIR/redis.log" \
 		--pidfile "$RL_DIR/redis.pid" --daemonize yes >/dev/null
 	rl_wait_redis "$RL_REDIS_PORT" || return 1

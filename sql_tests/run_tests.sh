@@ -13,6 +13,8 @@
 # with ARGS (for example sql_tests/test_idle.py or -k refund), on the same
 # throwaway servers. RL_TEST_ORDER=reverse runs the modules in reverse order;
 # RL_NO_BUILD=1 tests the extension as installed (no clean, build, install).
+# RL_TEST_REGRESS=1 with ARGS runs pg_regress (make installcheck) on the same
+# servers before pytest (sql_tests/test_matrix.sh runs each cell that way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,9 +51,25 @@ print_slowest() {
 		awk -F'\t' '{printf "%8.2fs %-8s %s\n", $1, $2, $3}'
 }
 
+# pg_regress (make installcheck) against the throwaway servers; returns
+# non-zero (and shows the diffs) when a test fails.
+run_regress() {
+	local t=$SECONDS rc=0
+	echo "== pg_regress (make installcheck)"
+	if ! make -s installcheck; then
+		rc=1
+		[ -f regression.diffs ] && head -200 regression.diffs
+	fi
+	echo "== pg_regress took $((SECONDS - t)) s"
+	return $rc
+}
+
 if [ $# -gt 0 ]; then
-	run_pytest "$@"
-	rc=$?
+	rc=0
+	if [ -n "${RL_TEST_REGRESS:-}" ]; then
+		run_regress || rc=1
+	fi
+	run_pytest "$@" || rc=1
 	print_slowest
 	exit $rc
 fi
@@ -63,13 +81,7 @@ deb_log=$RL_DIR/test_deb.log
 bash sql_tests/test_deb.sh >"$deb_log" 2>&1 &
 deb_pid=$!
 
-echo "== pg_regress (make installcheck)"
-t=$SECONDS
-if ! make -s installcheck; then
-	failed+=(installcheck)
-	[ -f regression.diffs ] && head -200 regression.diffs
-fi
-echo "== pg_regress took $((SECONDS - t)) s"
+run_regress || failed+=(installcheck)
 
 echo "== concurrency and fault tests (pytest, $jobs workers, then the tests marked alone)"
 t=$SECONDS

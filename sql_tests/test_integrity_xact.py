@@ -281,9 +281,9 @@ def bounded(fn, redis, bound, what):
 def memory_contexts(conn):
     """[(name, level, total_bytes)] of the backend, depth first."""
     return conn.execute(
-        "SELECT name, level, total_bytes FROM pg_get_backend_memory_contexts() WITH ORDINALITY "
-        "AS c(name, ident, parent, level, total_bytes, total_nblocks, free_bytes, free_chunks, used_bytes, n) "
-        "ORDER BY n"
+        # by name: PostgreSQL 18 replaced the column parent with type and path (positions differ)
+        "SELECT name, level, total_bytes FROM pg_get_backend_memory_contexts() WITH ORDINALITY AS c "
+        "ORDER BY c.ordinality"
     ).fetchall()
 
 

@@ -48,6 +48,8 @@
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
+#include "compat.h"
+
 /* rl_redis.on_error */
 typedef enum RlOnError
 {

@@ -210,7 +210,7 @@ rl_worker_running(uint64 *gen, uint64 *settings, PGPROC **proc)
 static RlSlot *
 rl_claim_slot(void)
 {
-	int			start = MyProc->pgprocno % queue->nslots;
+	int			start = rl_my_proc_number() % queue->nslots;
 	int			i;
 
 	for (i = 0; i < queue->nslots; i++)

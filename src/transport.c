@@ -899,7 +899,7 @@ rl_open_socket(RlConn *conn, const struct sockaddr *addr, socklen_t addrlen,
 		(void) setsockopt(conn->sock, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
 	}
 
-	conn->wes = CreateWaitEventSet(TopMemoryContext, 3);
+	conn->wes = rl_create_wait_event_set(3);
 	AddWaitEventToSet(conn->wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
 	AddWaitEventToSet(conn->wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
 	conn->sock_pos = AddWaitEventToSet(conn->wes, WL_SOCKET_WRITEABLE, conn->sock,
