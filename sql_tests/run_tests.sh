@@ -5,7 +5,7 @@
 # exits non-zero when any suite fails.
 #
 # The pytest suites run in parallel (pytest-xdist, RL_TEST_JOBS workers,
-# default 4: most of a test's time is spent waiting on a server, not on a
+# default 6: most of a test's time is spent waiting on a server, not on a
 # core), then the tests marked `alone` (they change a server the others
 # share) run one at a time. The Debian package check runs beside pg_regress.
 #
@@ -27,7 +27,7 @@ fi
 rl_cluster_start || exit 1
 echo "== built, installed and started in $((SECONDS - start)) s"
 
-jobs=${RL_TEST_JOBS:-4}
+jobs=${RL_TEST_JOBS:-6}
 export RL_DURATIONS_FILE=${RL_DURATIONS_FILE:-$RL_DIR/durations.tsv}
 : >"$RL_DURATIONS_FILE"
 pytest=(/usr/bin/python3 -m pytest -q -p no:cacheprovider -p xdist)
