@@ -47,7 +47,7 @@ REDIS_CLI = shutil.which(os.environ.get("RL_REDIS_CLI") or "redis-cli") or "/usr
 # every test uses identities and policy names of its own.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
-    os.environ["PGDATABASE"] = "rl_pytest_%s" % XDIST_WORKER
+    os.environ["PGDATABASE"] = "rl_pytest_%s%s" % (os.environ.get("RL_TEST_RUN", ""), XDIST_WORKER)
 
 
 # ---------------------------------------------------------------- the run

@@ -32,15 +32,27 @@ export RL_DURATIONS_FILE=${RL_DURATIONS_FILE:-$RL_DIR/durations.tsv}
 : >"$RL_DURATIONS_FILE"
 pytest=(/usr/bin/python3 -m pytest -q -p no:cacheprovider -p xdist)
 
-# Runs the pytest suites (or what the arguments select): the parallel part,
-# then the tests marked alone; returns non-zero when either fails.
+# Returns 0 for pytest's exit status 0, and for 5 (the arguments selected
+# none of the run's tests).
+pytest_ok() {
+	[ "$1" -eq 0 ] || [ "$1" -eq 5 ]
+}
+
+# Runs the pytest suites (or what the arguments select): the tests marked
+# heavy (one xdist worker each) beside the others (RL_TEST_JOBS workers),
+# then the tests marked alone; returns non-zero when any run fails. The
+# heavy ones have a run of their own because xdist hands each worker a share
+# of the queue in advance, which would wait behind a heavy test.
 run_pytest() {
-	local rc=0 status
-	"${pytest[@]}" -n "$jobs" --dist loadgroup -m "not alone" "$@" || rc=1
+	local rc=0 heavy_pid status
+	RL_TEST_RUN=heavy "${pytest[@]}" -n 5 --dist load -m "heavy and not alone" "$@" &
+	heavy_pid=$!
+	"${pytest[@]}" -n "$jobs" --dist loadgroup -m "not heavy and not alone" "$@"
+	pytest_ok $? || rc=1
+	wait "$heavy_pid"
+	pytest_ok $? || rc=1
 	"${pytest[@]}" -m alone "$@"
-	status=$?
-	# 5: nothing selected (arguments that pick no test marked alone)
-	[ $status -eq 0 ] || [ $status -eq 5 ] || rc=1
+	pytest_ok $? || rc=1
 	return $rc
 }
 
