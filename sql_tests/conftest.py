@@ -62,8 +62,8 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "heavy: a test of tens of seconds; it is started first, so that the parallel "
-        "run does not wait for it at the end",
+        "heavy: a test of tens of seconds; run_tests.sh runs these in a pytest run of "
+        "their own beside the others, one worker each",
     )
     global _CONFIG
     _CONFIG = config
@@ -79,10 +79,10 @@ ONE_WORKER_FIXTURES = ("shared_server", "private_server")
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    """Tests marked heavy go first; the tests of a fixture of
-    ONE_WORKER_FIXTURES share an xdist group. RL_TEST_ORDER=reverse runs the
-    modules in reverse order (each module's tests in their own order): a
-    check that no module depends on another having run first."""
+    """The tests of a fixture of ONE_WORKER_FIXTURES share an xdist group.
+    RL_TEST_ORDER=reverse runs the modules in reverse order (each module's
+    tests in their own order): a check that no module depends on another
+    having run first."""
     for item in items:
         for name in ONE_WORKER_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
@@ -94,7 +94,6 @@ def pytest_collection_modifyitems(session, config, items):
                 modules.append((item.module.__name__, []))
             modules[-1][1].append(item)
         items[:] = [item for _, group in reversed(modules) for item in group]
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 def pytest_runtest_logreport(report):

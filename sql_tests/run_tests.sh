@@ -7,7 +7,8 @@
 # The pytest suites run in parallel (pytest-xdist, RL_TEST_JOBS workers,
 # default 6: most of a test's time is spent waiting on a server, not on a
 # core), then the tests marked `alone` (they change a server the others
-# share) run one at a time. The Debian package check runs beside pg_regress.
+# share) run one at a time; the tests marked heavy run beside the others in
+# a run of their own. The Debian package check runs beside pg_regress.
 #
 # A developer's loop: `bash sql_tests/run_tests.sh ARGS...` runs only pytest,
 # with ARGS (for example sql_tests/test_idle.py or -k refund), on the same
@@ -44,7 +45,7 @@ pytest_ok() {
 # heavy ones have a run of their own because xdist hands each worker a share
 # of the queue in advance, which would wait behind a heavy test.
 run_pytest() {
-	local rc=0 heavy_pid status
+	local rc=0 heavy_pid
 	RL_TEST_RUN=heavy "${pytest[@]}" -n 5 --dist load -m "heavy and not alone" "$@" &
 	heavy_pid=$!
 	"${pytest[@]}" -n "$jobs" --dist loadgroup -m "not heavy and not alone" "$@"
