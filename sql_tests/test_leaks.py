@@ -185,8 +185,10 @@ def test_failed_calls_leave_no_fds(pg, redis_factory, failure):
             print("[leaks] connections accepted by the closing server: %d" % server.accepted)
             # every call really went to the network (retry_interval = 0)
             assert server.accepted >= n, server.accepted
-        assert len(after) == len(before), (before, after)
-        assert after == before  # the very same descriptors
+        # no descriptor was added: each one open afterwards was open before,
+        # with the same target (a descriptor the backend closed meanwhile,
+        # such as one it held from the warm-up, is no leak)
+        assert set(after.items()) <= set(before.items()), (before, after)
     finally:
         if server is not None:
             server.stop()
