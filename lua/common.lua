@@ -32,9 +32,19 @@
 -- the last write of each key.
 local ALG = {}
 
+-- Whether this call runs on the test clock (rl_redis.test_clock_ms).
+local on_test_clock = false
+
+-- Real milliseconds that a key written on the test clock lives at least:
+-- that clock stands still between a test's calls while Redis's expiry
+-- runs on, so a state that counts for 1 ms of the test clock must outlive
+-- the real time to the test's next call (see expire).
+local TEST_CLOCK_MIN_TTL_MS = 1000
+
 -- The clock in microseconds: the test clock when given, else Redis TIME.
 local function clock_us(test_now)
   if test_now and test_now ~= '' then
+    on_test_clock = true
     return tonumber(test_now)
   end
   local t = redis.call('TIME')
@@ -101,9 +111,11 @@ end
 -- Sets key's expiry to ttl ms counted from now, the clock the call decided
 -- on. Redis expires keys on its own clock, which is behind now by
 -- now - real µs after a step back: the expiry is that much longer, so that
--- the state lives as long as it counts.
+-- the state lives as long as it counts. On the test clock it is at least
+-- TEST_CLOCK_MIN_TTL_MS.
 local function expire(key, ttl, now, real)
-  redis.call('PEXPIRE', key, math.max(ttl + math.ceil((now - real) / 1000), 1))
+  local least = on_test_clock and TEST_CLOCK_MIN_TTL_MS or 1
+  redis.call('PEXPIRE', key, math.max(ttl + math.ceil((now - real) / 1000), least))
 end
 
 -- A number that tells one life of a key from the next (a key deleted by
