@@ -43,6 +43,10 @@ rl_check_not_null(FunctionCallInfo fcinfo, int argno, const char *name)
 				 errmsg("%s must not be null", name)));
 }
 
+/* the longest identity's key, escaped, is far from MaxAllocSize */
+StaticAssertDecl(3 * (Size) RL_MAX_IDENTITY_BYTES + 1024 < MaxAllocSize,
+				 "rl_redis.max_identity_bytes allows keys too long to be made");
+
 /*
  * Raises 22023 for an empty identity and 54000 for one longer than
  * rl_redis.max_identity_bytes: every identity, whichever way it came (an
