@@ -44,14 +44,17 @@ SELECT rl_reset(E'x\r\n*1\r\n$8\r\nFLUSHALL\r\n'), rl_reset('a{b}c'),
        rl_reset('}'), rl_reset('%7D'), rl_reset('ünï 🙂'), rl_reset(E'\\x00');
 \! redis-cli -p $RLPORT --no-raw --scan --pattern 'rlkeys:*' | sort
 
--- a 1 MB identity works and is counted like any other
+-- a 1 MB identity (the largest rl_redis.max_identity_bytes) works and is
+-- counted like any other
 SET rl_redis.test_clock_ms = 1000000000000;
+SET rl_redis.max_identity_bytes = '1MB';
 SELECT rl_fixed(repeat('i', 1048576), 2, 60000) AS first,
        rl_fixed(repeat('i', 1048576), 2, 60000) AS second,
        rl_fixed(repeat('i', 1048576), 2, 60000) AS third;
 \! redis-cli -p $RLPORT --scan --pattern 'rlkeys:*' | wc -l
 SELECT rl_reset(repeat('i', 1048576));
 RESET rl_redis.test_clock_ms;
+RESET rl_redis.max_identity_bytes;
 
 -- the prefix can be changed by a superuser, and keeps its own counters
 SET rl_redis.key_prefix = 'rlkeys:other:';

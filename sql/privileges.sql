@@ -31,6 +31,7 @@ SET rl_redis.retry_interval = 100000;
 SET rl_redis.refund_on_abort = 'all';
 SET rl_redis.max_lease = 1;
 SET rl_redis.sliding_max_lim = 1;
+SET rl_redis.max_identity_bytes = '1MB';
 SET rl_redis.test_clock_ms = 1;
 -- the password (and its file) cannot be read
 SHOW rl_redis.password;

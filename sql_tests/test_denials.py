@@ -131,7 +131,7 @@ def test_long_identity_is_bounded(pg, policy, shared_redis):
     """A 1 MB identity is counted as its first 100 bytes and a hash: the
     member stays short, and two long identities with the same beginning
     stay apart."""
-    conn = session(track_denials="on")
+    conn = session(track_denials="on", max_identity_bytes="1MB")
     a = "x" * 1000000 + "a"
     b = "x" * 1000000 + "b"
     for identity in (a, a, a, b, b, b):

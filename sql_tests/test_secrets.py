@@ -237,12 +237,20 @@ def test_password_file(pg, redis_factory, app_role, policy):
             finally:
                 su.close()
 
-            # a file others can read is refused, with a clear error
+            # a file others can read is refused, with a clear error that
+            # names the setting, not the file: the path is for the server
+            # log (and superusers) only
             os.chmod(path, 0o644)
             err = decide_error(new_ident("pwfile"))
             assert err.sqlstate == "08001", repr(err)
+            assert "rl_redis.password_file" in str(err), str(err)
             assert "group or world access" in str(err), str(err)
-            assert path in str(err) and password not in str(err)
+            assert_not_shown(err, [path, password])
+            log = server_log_lines("group or world access")
+            assert any(path in line for line in log), log
+            err = decide_error(new_ident("pwfile"), user=app_role, policy=policy)
+            assert err.sqlstate == "08001" and "group or world access" in str(err), str(err)
+            assert_not_shown(err, [path, password, os.path.basename(path)])
             os.chmod(path, 0o640)
             err = decide_error(new_ident("pwfile"))
             assert err.sqlstate == "08001" and "group or world access" in str(err), str(err)
@@ -251,9 +259,10 @@ def test_password_file(pg, redis_factory, app_role, policy):
             os.chmod(path, 0o600)
             os.rename(path, path + ".gone")
             try:
-                err = decide_error(new_ident("pwfile"))
+                err = decide_error(new_ident("pwfile"), user=app_role, policy=policy)
                 assert err.sqlstate == "08001", repr(err)
-                assert "could not open password file" in str(err), str(err)
+                assert "could not open the file" in str(err), str(err)
+                assert_not_shown(err, [path, os.path.basename(path)])
             finally:
                 os.rename(path + ".gone", path)
             with open(path, "w") as f:
@@ -304,16 +313,35 @@ def test_password_file(pg, redis_factory, app_role, policy):
         os.unlink(path)
 
 
-def decide_error(identity):
-    """The error of a decision in a new superuser session (a new connection
-    to Redis, so the password is read again)."""
-    conn = pg_connect()
+def decide_error(identity, user=None, policy=None):
+    """The error of a decision in a new session (a new connection to Redis,
+    so the password is read again): of the superuser with explicit
+    arguments, or of user through policy."""
+    conn = pg_connect(user=user) if user else pg_connect()
     try:
         with pytest.raises(psycopg.Error) as exc:
-            conn.execute("SELECT rl_fixed(%s, 5, 60000)", (identity,))
+            if policy:
+                conn.execute("SELECT rl_allow(%s, %s)", (policy, identity))
+            else:
+                conn.execute("SELECT rl_fixed(%s, 5, 60000)", (identity,))
         return exc.value
     finally:
         conn.close()
+
+
+def assert_not_shown(err, secrets):
+    """None of secrets is in what the error shows its session."""
+    diag = err.diag
+    shown = " ".join(x or "" for x in (str(err), diag.message_primary, diag.message_detail,
+                                       diag.message_hint, diag.context))
+    for secret in secrets:
+        assert secret not in shown, (secret, shown)
+
+
+def server_log_lines(text):
+    """The lines of the test cluster's server log that contain text."""
+    with open(os.path.join(os.environ["RL_DIR"], "postgres.log"), errors="replace") as f:
+        return [line for line in f if text in line]
 
 
 @pytest.mark.parametrize(
@@ -358,14 +386,19 @@ def test_empty_password_setting_is_accepted(pg, app_role):
     pg.execute(sql.SQL("ALTER ROLE {} RESET rl_redis.password").format(sql.Identifier(app_role)))
 
 
-def test_warning_when_not_preloaded(redis_factory):
+def test_password_refused_when_not_preloaded(redis_factory):
     """Without shared_preload_libraries, postgresql.conf's rl_redis.password
-    is a placeholder that every role reads until the library is loaded: loading
-    it then warns. A short-lived cluster of its own (about 2 s)."""
+    is a placeholder that every role reads until the library is loaded: it
+    is not used. Loading the library warns, and a connection attempt fails
+    with an error that names shared_preload_libraries and
+    rl_redis.password_file, without sending the password (Redis holds no
+    key); the password file works. rl_redis.sentinel_password is refused the
+    same way. A short-lived cluster of its own (about 2 s)."""
     password = new_secret("pwnopreload")
     r = redis_factory(password=password)
     server = PgServer(r, preload=False, extension=False, max_connections=10, password=password)
     port = server.port
+    path = os.path.join(server.base, "redis-password")
     try:
         su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
         try:
@@ -381,16 +414,41 @@ def test_warning_when_not_preloaded(redis_factory):
             su.execute("LOAD 'rl_redis'")
             warnings = [n for n in notices.items if n[0] == "WARNING"]
             assert len(warnings) == 1, notices.text()
-            assert "readable by any role" in warnings[0][1], warnings
+            assert "not used" in warnings[0][1], warnings
             assert "shared_preload_libraries" in warnings[0][2], warnings
             assert "rl_redis.password_file" in warnings[0][2], warnings
             assert password not in notices.text()
+            # and it is not used: the connection attempt fails
+            su.execute("CREATE EXTENSION rl_redis")
+            with pytest.raises(psycopg.Error) as exc:
+                su.execute("SELECT rl_fixed(%s, 5, 60000)", (new_ident("nopreload"),))
+            err = exc.value
+            assert err.sqlstate == "08001", repr(err)
+            assert "shared_preload_libraries" in str(err), str(err)
+            assert "rl_redis.password_file" in str(err), str(err)
+            assert password not in str(err)
+            assert r.cli("DBSIZE") == "0"
+            # the sentinels' password is refused the same way
+            su.execute("SET rl_redis.mode = 'sentinel'")
+            su.execute("SET rl_redis.nodes = '127.0.0.1:%d'" % r.port)
+            su.execute("SET rl_redis.sentinel_master = 'm'")
+            su.execute("SET rl_redis.sentinel_password = 'sentinel-secret'")
+            with pytest.raises(psycopg.Error) as exc:
+                su.execute("SELECT rl_fixed(%s, 5, 60000)", (new_ident("nopreload"),))
+            assert "rl_redis.sentinel_password" in str(exc.value), str(exc.value)
+            assert "shared_preload_libraries" in str(exc.value), str(exc.value)
+            assert "sentinel-secret" not in str(exc.value)
         finally:
             su.close()
-        # no rl_redis.password, no warning
+        # the password file: no password setting, no warning, and it is used
+        with open(path, "w") as f:
+            f.write(password + "\n")
+        os.chmod(path, 0o600)
+        give_to_owner(path)
         su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
         try:
             su.execute("ALTER SYSTEM SET rl_redis.password = ''")
+            su.execute(sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(path)))
             su.execute("SELECT pg_reload_conf()")
         finally:
             su.close()
@@ -402,6 +460,10 @@ def test_warning_when_not_preloaded(redis_factory):
                     notices = Notices(su)
                     su.execute("LOAD 'rl_redis'")
                     assert notices.items == [], notices.text()
+                    identity = new_ident("nopreload")
+                    assert su.execute("SELECT (rl_fixed(%s, 5, 60000)).allowed",
+                                      (identity,)).fetchone()[0] is True
+                    assert r.cli("DBSIZE") == "1"
                     break
             finally:
                 su.close()

@@ -770,7 +770,7 @@ def test_batches_and_large_calls_use_own_connection(shared_server, sessions):
     assert rows == [(True, 1), (True, 0), (False, 0)]
     assert shared_server.clients().get(pid) == 1
 
-    other = sessions(1, transport="shared")[0]
+    other = sessions(1, transport="shared", max_identity_bytes="16kB")[0]
     big = new_ident("big") + "x" * 9000
     assert [explicit(other, "fixed", big, 2, 60000)[:3] for _ in range(3)] == [
         (True, 2, 1), (True, 2, 0), (False, 2, 0)]

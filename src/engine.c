@@ -20,6 +20,7 @@
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
+#include "utils/rel.h"
 
 #include "rl_redis.h"
 
@@ -42,7 +43,35 @@ rl_check_not_null(FunctionCallInfo fcinfo, int argno, const char *name)
 				 errmsg("%s must not be null", name)));
 }
 
-/* Returns argument argno as a non-empty, non-null identity. */
+/* the longest identity's key, escaped, is far from MaxAllocSize */
+StaticAssertDecl(3 * (Size) RL_MAX_IDENTITY_BYTES + 1024 < MaxAllocSize,
+				 "rl_redis.max_identity_bytes allows keys too long to be made");
+
+/*
+ * Raises 22023 for an empty identity and 54000 for one longer than
+ * rl_redis.max_identity_bytes: every identity, whichever way it came (an
+ * argument, an element of a batch, a guarded row), passes here before
+ * anything is sent to Redis. rel: the guarded table the identity comes
+ * from, named in the error, or NULL.
+ */
+void
+rl_check_identity(size_t len, Relation rel)
+{
+	if (len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("identity must not be empty"),
+				 rel ? errtable(rel) : 0));
+	if (len > (size_t) rl_max_identity_bytes)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("identity is longer than rl_redis.max_identity_bytes (%d bytes)",
+						rl_max_identity_bytes),
+				 errdetail("The identity is %zu bytes long.", len),
+				 rel ? errtable(rel) : 0));
+}
+
+/* Returns argument argno as an identity (not null, see rl_check_identity). */
 text *
 rl_get_identity(FunctionCallInfo fcinfo, int argno)
 {
@@ -50,10 +79,7 @@ rl_get_identity(FunctionCallInfo fcinfo, int argno)
 
 	rl_check_not_null(fcinfo, argno, "identity");
 	identity = PG_GETARG_TEXT_PP(argno);
-	if (VARSIZE_ANY_EXHDR(identity) == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("identity must not be empty")));
+	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL);
 	return identity;
 }
 
@@ -1241,16 +1267,7 @@ rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 					 errmsg("identities must not contain null")));
 		identities[i] = DatumGetTextPP(elems[i]);
-		if (VARSIZE_ANY_EXHDR(identities[i]) == 0)
-			ereport(ERROR,
-					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("identity must not be empty")));
-		/* a key too long to be made fails here, before anything is taken */
-		if (3 * (size_t) VARSIZE_ANY_EXHDR(identities[i]) + 1024 > MaxAllocSize)
-			ereport(ERROR,
-					(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
-					 errmsg("an identity of a batch must be shorter than %zu bytes",
-							(MaxAllocSize - 1024) / 3)));
+		rl_check_identity(VARSIZE_ANY_EXHDR(identities[i]), NULL);
 	}
 
 	InitMaterializedSRF(fcinfo, 0);

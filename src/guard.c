@@ -559,11 +559,7 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 	}
 	if (nestlevel >= 0)
 		AtEOXact_GUC(true, nestlevel);
-	if (buf->len == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("identity must not be empty"),
-				 errtable(rel)));
+	rl_check_identity(buf->len, rel);
 }
 
 /*

@@ -49,6 +49,7 @@ int			rl_sentinel_recheck_interval = RL_SENTINEL_RECHECK_MS;
 int			rl_slot_map_refresh_interval = RL_SLOT_MAP_REFRESH_MS;
 int			rl_max_lease = 3600000;
 int			rl_sliding_max_lim = 10000;
+int			rl_max_identity_bytes = RL_DEFAULT_IDENTITY_BYTES;
 bool		rl_tls = false;
 bool		rl_stats = true;
 bool		rl_deny_cache = false;
@@ -63,6 +64,12 @@ int			rl_mode = RL_MODE_STANDALONE;
 char	   *rl_nodes = NULL;
 char	   *rl_sentinel_master = NULL;
 char	   *rl_sentinel_password = NULL;
+
+/*
+ * Whether the library was preloaded: only then are the password settings
+ * hidden from the start (before, they are placeholders every role reads).
+ */
+static bool secrets_hidden = false;
 
 /* set whenever a connection setting is assigned; the transport reconnects */
 bool		rl_connection_settings_changed = false;
@@ -174,17 +181,39 @@ check_sentinel_password(char **newval, void **extra, GucSource source)
 }
 
 /*
- * Fills buf with the Redis password to send: rl_redis.password when set,
- * else the first line (without its line end) of the file rl_redis.password_file
- * names, else "". Returns false with a message in err when the file cannot
- * be read, is not a plain file, is group or world accessible (like libpq's
- * passfile), or its first line is empty or longer than size - 1 bytes.
- * Never raises: it is called while connecting.
+ * Fills err (errsize bytes) with why the password file cannot be used,
+ * what (a clause about "the file"), and puts the file's path in the server
+ * log only: the path is hidden from ordinary roles, and err may reach any
+ * role that calls.
+ */
+static void
+rl_password_file_failed(const char *what, char *err, size_t errsize)
+{
+	snprintf(err, errsize, "rl_redis.password_file: %s", what);
+	ereport(LOG_SERVER_ONLY,
+			(errmsg("rl_redis.password_file \"%s\": %s", rl_password_file, what)));
+}
+
+/*
+ * Fills buf with the password to send: for a sentinel,
+ * rl_redis.sentinel_password; else rl_redis.password when set, else the
+ * first line (without its line end) of the file rl_redis.password_file
+ * names, else "". Returns false with a message in err when a password
+ * setting is set but the library was not preloaded (every role could read
+ * it until the library was loaded), when the file cannot be read, is not a
+ * plain file, is group or world accessible (like libpq's passfile), or its
+ * first line is empty, or when the password is longer than size - 1
+ * bytes. err never holds a secret or the file's path. Never raises: it is
+ * called while connecting.
  */
 bool
-rl_read_password(char *buf, size_t size, char *err, size_t errsize)
+rl_read_password(bool sentinel, char *buf, size_t size, char *err,
+				 size_t errsize)
 {
+	const char *name = sentinel ? "rl_redis.sentinel_password" : "rl_redis.password";
+	const char *value = sentinel ? rl_sentinel_password : rl_password;
 	const char *path = rl_password_file;
+	char		what[128];
 	struct stat st;
 	size_t		len = 0;
 	int			fd;
@@ -199,44 +228,48 @@ rl_read_password(char *buf, size_t size, char *err, size_t errsize)
 	}
 	buf[0] = '\0';
 
-	if (rl_password != NULL && rl_password[0] != '\0')
+	if (value != NULL && value[0] != '\0')
 	{
-		if (strlen(rl_password) >= size)
+		if (!secrets_hidden)
 		{
-			snprintf(err, errsize, "rl_redis.password is longer than %zu bytes",
-					 size - 1);
+			snprintf(err, errsize,
+					 "%s is not used without rl_redis in shared_preload_libraries, as every role could read it before the library was loaded; preload the library%s",
+					 name, sentinel ? "" : " or use rl_redis.password_file");
 			return false;
 		}
-		strcpy(buf, rl_password);
+		if (strlen(value) >= size)
+		{
+			snprintf(err, errsize, "%s is longer than %zu bytes", name, size - 1);
+			return false;
+		}
+		strcpy(buf, value);
 		return true;
 	}
-	if (path == NULL || path[0] == '\0')
+	if (sentinel || path == NULL || path[0] == '\0')
 		return true;
 
 	/* O_NONBLOCK: a FIFO must not hold the backend; it is refused below */
 	fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK, 0);
 	if (fd < 0)
 	{
-		snprintf(err, errsize, "could not open password file \"%s\": %s",
-				 path, strerror(errno));
+		snprintf(what, sizeof(what), "could not open the file: %s", strerror(errno));
+		rl_password_file_failed(what, err, errsize);
 		return false;
 	}
 	if (fstat(fd, &st) != 0)
 	{
-		snprintf(err, errsize, "could not stat password file \"%s\": %s",
-				 path, strerror(errno));
+		snprintf(what, sizeof(what), "could not stat the file: %s", strerror(errno));
 		goto done;
 	}
 	if (!S_ISREG(st.st_mode))
 	{
-		snprintf(err, errsize, "password file \"%s\" is not a plain file", path);
+		snprintf(what, sizeof(what), "the file is not a plain file");
 		goto done;
 	}
 	if (st.st_mode & (S_IRWXG | S_IRWXO))
 	{
-		snprintf(err, errsize,
-				 "password file \"%s\" has group or world access; permissions should be u=rw (0600) or less",
-				 path);
+		snprintf(what, sizeof(what),
+				 "the file has group or world access; permissions should be u=rw (0600) or less");
 		goto done;
 	}
 
@@ -258,9 +291,8 @@ rl_read_password(char *buf, size_t size, char *err, size_t errsize)
 				goto read_failed;
 			if (n == 1 && c != '\n')
 			{
-				snprintf(err, errsize,
-						 "password in file \"%s\" is longer than %zu bytes",
-						 path, size - 1);
+				snprintf(what, sizeof(what),
+						 "the password in the file is longer than %zu bytes", size - 1);
 				goto done;
 			}
 			break;
@@ -284,20 +316,22 @@ rl_read_password(char *buf, size_t size, char *err, size_t errsize)
 	while (len > 0 && buf[len - 1] == '\r')
 		buf[--len] = '\0';
 	if (memchr(buf, '\0', len) != NULL)
-		snprintf(err, errsize, "password file \"%s\" contains a zero byte", path);
+		snprintf(what, sizeof(what), "the file contains a zero byte");
 	else if (len == 0)
-		snprintf(err, errsize, "password file \"%s\" is empty", path);
+		snprintf(what, sizeof(what), "the file is empty");
 	else
 		ok = true;
 	goto done;
 
 read_failed:
-	snprintf(err, errsize, "could not read password file \"%s\": %s",
-			 path, strerror(errno));
+	snprintf(what, sizeof(what), "could not read the file: %s", strerror(errno));
 
 done:
 	if (!ok)
+	{
 		explicit_bzero(buf, size);
+		rl_password_file_failed(what, err, errsize);
+	}
 	close(fd);
 	return ok;
 }
@@ -488,12 +522,14 @@ rl_define_gucs(void)
 	/*
 	 * Until the library is loaded, rl_redis.password from postgresql.conf is
 	 * a placeholder that SHOW, current_setting and pg_settings show to every
-	 * role: only preloading keeps it hidden from the start.
+	 * role: only preloading keeps it hidden from the start, and without
+	 * preloading rl_read_password refuses it.
 	 */
-	if (!process_shared_preload_libraries_in_progress &&
-		rl_password != NULL && rl_password[0] != '\0')
+	secrets_hidden = process_shared_preload_libraries_in_progress;
+	if (!secrets_hidden && rl_password != NULL && rl_password[0] != '\0')
 		ereport(WARNING,
-				(errmsg("rl_redis.password was readable by any role before the rl_redis library was loaded"),
+				(errmsg("rl_redis.password is not used because the rl_redis library is not in shared_preload_libraries"),
+				 errdetail("Every role could read the setting before the library was loaded."),
 				 errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file.")));
 
 	DefineCustomStringVariable("rl_redis.password_file",
@@ -587,10 +623,11 @@ rl_define_gucs(void)
 							   GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
 							   check_sentinel_password, assign_connection_string, NULL);
 
-	if (!process_shared_preload_libraries_in_progress &&
+	if (!secrets_hidden &&
 		rl_sentinel_password != NULL && rl_sentinel_password[0] != '\0')
 		ereport(WARNING,
-				(errmsg("rl_redis.sentinel_password was readable by any role before the rl_redis library was loaded"),
+				(errmsg("rl_redis.sentinel_password is not used because the rl_redis library is not in shared_preload_libraries"),
+				 errdetail("Every role could read the setting before the library was loaded."),
 				 errhint("Add rl_redis to shared_preload_libraries.")));
 
 	DefineCustomIntVariable("rl_redis.database",
@@ -736,6 +773,15 @@ rl_define_gucs(void)
 							10000, 1, RL_MAX_SLIDING_LIM,
 							PGC_SUSET,
 							0,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("rl_redis.max_identity_bytes",
+							"Longest identity, in bytes, that a decision, slot, refund, reset or guard takes.",
+							"A longer identity is refused before anything is sent to Redis; each identity is part of its Redis keys.",
+							&rl_max_identity_bytes,
+							RL_DEFAULT_IDENTITY_BYTES, 1, RL_MAX_IDENTITY_BYTES,
+							PGC_SUSET,
+							GUC_UNIT_BYTE,
 							NULL, NULL, NULL);
 
 	DefineCustomRealVariable("rl_redis.test_clock_ms",

@@ -46,6 +46,7 @@
 #include "miscadmin.h"
 #include "nodes/pg_list.h"
 #include "utils/memutils.h"
+#include "utils/relcache.h"
 #include "utils/timestamp.h"
 
 #include "compat.h"
@@ -134,6 +135,7 @@ extern int	rl_sentinel_recheck_interval;
 extern int	rl_slot_map_refresh_interval;
 extern int	rl_max_lease;
 extern int	rl_sliding_max_lim;
+extern int	rl_max_identity_bytes;
 extern bool rl_tls;
 extern bool rl_stats;
 extern bool rl_track_denials;
@@ -157,7 +159,8 @@ extern bool rl_connection_settings_changed;
 #define RL_MAX_SEEDS 64
 
 extern void rl_define_gucs(void);
-extern bool rl_read_password(char *buf, size_t size, char *err, size_t errsize);
+extern bool rl_read_password(bool sentinel, char *buf, size_t size,
+							 char *err, size_t errsize);
 extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
 extern bool rl_parse_redirect_node(const char *s, const char *default_host,
 								   char *host, int *port);
@@ -487,6 +490,14 @@ extern void rl_deny_cache_forget(void);
 #define RL_MAX_SLIDING_LIM 100000
 
 /*
+ * The default and the largest rl_redis.max_identity_bytes: an identity is
+ * part of every key it has in Redis (three times its bytes at most, as
+ * escaped), and a call's key must stay far below MaxAllocSize.
+ */
+#define RL_DEFAULT_IDENTITY_BYTES 1024
+#define RL_MAX_IDENTITY_BYTES (1024 * 1024)
+
+/*
  * The latest test clock: 2100-01-01. With it and the 100-year limits every
  * time the scripts compute stays below 2^53 microseconds.
  */
@@ -523,6 +534,7 @@ extern const char *rl_limit_suffix(const RlLimit *limit, char *buf);
 extern StringInfo rl_copy_key(StringInfo key);
 extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 							  const char *name);
+extern void rl_check_identity(size_t len, Relation rel);
 extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);

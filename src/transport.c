@@ -1188,15 +1188,6 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	}
 	conn->ready = true;
 
-	if (conn->kind == RL_CONN_SENTINEL)
-	{
-		const char *argv[2] = {"AUTH", rl_sentinel_password};
-		size_t		argvlen[2] = {4, strlen(rl_sentinel_password)};
-
-		return rl_sentinel_password[0] == '\0' ||
-			rl_handshake(conn, "AUTH", 2, argv, argvlen, deadline, failure);
-	}
-
 	{
 		char		password[1024];
 		char		err[256];
@@ -1204,8 +1195,10 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 		size_t		argvlen[3];
 		int			argc = 0;
 		bool		ok;
+		bool		sentinel = conn->kind == RL_CONN_SENTINEL;
 
-		if (!rl_read_password(password, sizeof(password), err, sizeof(err)))
+		if (!rl_read_password(sentinel, password, sizeof(password), err,
+							  sizeof(err)))
 		{
 			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: %s", conn->address, err);
@@ -1215,7 +1208,7 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 		{
 			argv[argc] = "AUTH";
 			argvlen[argc++] = 4;
-			if (rl_username[0] != '\0')
+			if (!sentinel && rl_username[0] != '\0')
 			{
 				argv[argc] = rl_username;
 				argvlen[argc++] = strlen(rl_username);
@@ -1228,6 +1221,8 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 				return false;
 		}
 	}
+	if (conn->kind == RL_CONN_SENTINEL)
+		return true;
 	if (rl_database != 0)
 	{
 		char		db[16];
