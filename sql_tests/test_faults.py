@@ -822,6 +822,26 @@ def test_xact_end_after_failed_call_gives_the_slot_back(pg, redis_factory):
                "the release after CLIENT PAUSE ended")
 
 
+def end_killed_and_paused(pg, r, identity, end, refund=False):
+    """BEGIN; a slot of ACQUIRE_LONG for identity (with refund, a unit of
+    ALLOW too); Redis kills the session's connection and stops (SIGSTOP);
+    end ("COMMIT" or "ROLLBACK") must return within the 200 ms budget (with
+    a generous margin); then Redis goes on."""
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    if refund:
+        assert allow(pg, identity) is True
+    assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
+    r.pause()
+    try:
+        t0 = time.monotonic()
+        pg.execute(end)
+        elapsed = time.monotonic() - t0
+    finally:
+        r.resume()
+    assert elapsed < 0.2 + 0.5, (end, elapsed)
+
+
 def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
     """Redis killed the session's connection, then hangs (SIGSTOP) at the
     transaction end, rl_redis.xact_end_budget 200 ms: COMMIT and ROLLBACK
@@ -836,18 +856,7 @@ def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
     notices = collect_notices(pg)
     for end in ("COMMIT", "ROLLBACK"):
         identity = new_ident("unreachable")
-        pg.execute("BEGIN")
-        assert allow(pg, identity, ACQUIRE_LONG) is True
-        assert allow(pg, identity) is True
-        assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
-        r.pause()
-        try:
-            t0 = time.monotonic()
-            pg.execute(end)
-            elapsed = time.monotonic() - t0
-        finally:
-            r.resume()
-        assert elapsed < 0.2 + 0.5, (end, elapsed)
+        end_killed_and_paused(pg, r, identity, end, refund=True)
         wait_for(lambda: int(r.cli("EXISTS", slot_key_long(identity))) == 0, 5.0,
                    "the release after Redis woke")
         assert int(r.cli("EXISTS", allow_key(identity))) == (0 if end == "ROLLBACK" else 1)
@@ -858,17 +867,7 @@ def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
     for end in ("COMMIT", "ROLLBACK"):
         identity = new_ident("unreachable_auth")
         notices.clear()
-        pg.execute("BEGIN")
-        assert allow(pg, identity, ACQUIRE_LONG) is True
-        assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
-        r.pause()
-        try:
-            t0 = time.monotonic()
-            pg.execute(end)
-            elapsed = time.monotonic() - t0
-        finally:
-            r.resume()
-        assert elapsed < 0.2 + 0.5, (end, elapsed)
+        end_killed_and_paused(pg, r, identity, end)
         warned = [n.message_primary or "" for n in warnings_of(notices)]
         assert any("waits for the session's next call" in w for w in warned), warned
         assert int(r.cli("ZCARD", slot_key_long(identity))) == 1
