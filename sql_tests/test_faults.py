@@ -16,6 +16,7 @@ import psycopg.errors
 import pytest
 
 from conftest import new_ident, pg_connect, rl_key, set_gucs, use_redis
+from redis_topology import wait_for
 
 LONG_WINDOW_MS = 600000
 
@@ -691,13 +692,17 @@ def test_unix_socket(pg, redis_factory):
 
 def test_abort_after_interrupted_wait_does_not_wait_again(pg, redis_factory):
     """A transaction that holds a concurrency slot and has a refund pending
-    is cancelled while Redis hangs: its end does not wait on Redis again.
-    The interrupted call's connection is dropped, so the slot release and
-    the refund cannot be sent at the ROLLBACK: they are queued, a WARNING
-    says so, and the session's next call sends them first (1.3; before,
-    they were lost)."""
+    is cancelled while Redis hangs: its end does not wait on Redis again
+    beyond rl_redis.xact_end_budget (200 ms here). The interrupted call's
+    connection is kept, its reply to be dropped: the slot release and the
+    refund are written behind the cancelled call on the same connection, so
+    that once Redis wakes it runs them in order, without the session calling
+    again (before, the connection was dropped and they waited for the
+    session's next call). The next call then reads and drops the cancelled
+    call's reply and gets its own."""
     r = redis_factory()
-    use_redis(pg, r, on_error="error", command_timeout=5000, refund_on_abort="all")
+    use_redis(pg, r, on_error="error", command_timeout=5000, refund_on_abort="all",
+              xact_end_budget=200)
     identity = new_ident("abort_hung")
     slot_key = rl_key("concurrency", identity, lim=2, window_ms=60000)
     notices = collect_notices(pg)
@@ -708,27 +713,166 @@ def test_abort_after_interrupted_wait_does_not_wait_again(pg, redis_factory):
     assert int(r.cli("ZCARD", slot_key)) == 1
     assert int(r.cli("ZCARD", allow_key(identity))) == 1
     r.pause()
-    pg.execute("SET LOCAL statement_timeout = '300ms'")
-    t0 = time.monotonic()
+    try:
+        pg.execute("SET LOCAL statement_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            pg.execute(ALLOW, (identity,))
+        t0 = time.monotonic()
+        pg.execute("ROLLBACK")
+        elapsed = time.monotonic() - t0
+    finally:
+        r.resume()
+    assert elapsed < 0.2 + 0.5, elapsed  # the budget, not 2 x command_timeout
+    assert warnings_of(notices) == []
+    # Redis ran the cancelled call, then the release and the refund (the
+    # cancelled call's unit too): nobody called meanwhile
+    wait_for(lambda: int(r.cli("EXISTS", slot_key)) == 0 and
+               int(r.cli("EXISTS", allow_key(identity))) == 0, 5.0,
+               "the release and the refund after Redis woke")
+    # the next call gets its own reply (lim 7), not the cancelled call's
+    fresh = new_ident("abort_hung_after")
+    assert pg.execute("SELECT (r).allowed, (r).lim, (r).remaining "
+                      "FROM rl_sliding(%s, 7, 600000) AS r", (fresh,)).fetchone() == (True, 7, 6)
+    assert allow(pg, fresh) is True
+
+
+ACQUIRE_LONG = "SELECT rl_concurrency_acquire_allow(%s, 1, 600000)"
+
+
+def slot_key_long(identity):
+    """The key of ACQUIRE_LONG (lim 1, a lease of 10 minutes)."""
+    return rl_key("concurrency", identity, lim=1, window_ms=600000)
+
+
+def killed_in_transaction(pg, r, end, refund=False):
+    """BEGIN; a slot of ACQUIRE_LONG (and with refund a unit of ALLOW to be
+    refunded); Redis kills the session's connection (CLIENT KILL); then end
+    ("COMMIT" or "ROLLBACK"). Returns the identity."""
+    identity = new_ident("killed")
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    if refund:
+        assert allow(pg, identity) is True
+    assert int(r.cli("ZCARD", slot_key_long(identity))) == 1
+    assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
+    pg.execute(end)
+    return identity
+
+
+@pytest.mark.parametrize("end", ["COMMIT", "ROLLBACK"])
+def test_slot_free_when_xact_ends_after_client_kill(pg, redis_factory, end):
+    """Redis closed the session's idle connection (CLIENT KILL) inside a
+    transaction that holds a slot (lease 10 minutes): the slot is free as
+    soon as COMMIT (or ROLLBACK) returns, with no WARNING and no other call
+    of that session: the transaction end connects again, to the address it
+    resolved before (before, the release waited for the session's next
+    call). With ROLLBACK the unit of the rolled-back transaction is given
+    back too. Another session takes the slot at once."""
+    r = redis_factory()
+    use_redis(pg, r, refund_on_abort="all")
+    notices = collect_notices(pg)
+    identity = killed_in_transaction(pg, r, end, refund=True)
+    assert int(r.cli("EXISTS", slot_key_long(identity))) == 0
+    assert int(r.cli("EXISTS", allow_key(identity))) == (0 if end == "ROLLBACK" else 1)
+    assert warnings_of(notices) == []
+    with pg_connect() as other:
+        use_redis(other, r)
+        other.execute("BEGIN")
+        assert allow(other, identity, ACQUIRE_LONG) is True
+        assert allow(other, identity, ACQUIRE_LONG) is False
+        other.execute("ROLLBACK")
+
+
+def test_slot_free_at_commit_after_redis_idle_timeout(pg, redis_factory):
+    """Redis's own `timeout` (1 s) closed the session's connection while its
+    transaction held a slot: the slot is free once COMMIT returns."""
+    r = redis_factory(extra_args=("--timeout", "1"))
+    use_redis(pg, r)
+    identity = new_ident("redis_timeout")
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    # only the connection asking is left
+    wait_for(lambda: len(r.command("CLIENT", "LIST").splitlines()) == 1, 15.0,
+               "Redis to close the idle connection")
+    pg.execute("COMMIT")
+    assert int(r.cli("EXISTS", slot_key_long(identity))) == 0
+
+
+def test_xact_end_after_failed_call_gives_the_slot_back(pg, redis_factory):
+    """While the transaction holds a slot, Redis holds its clients (CLIENT
+    PAUSE 400 ms): a call is cancelled by statement_timeout in a savepoint
+    (rolled back), then a call fails by command_timeout (on_error allow).
+    COMMIT still gives the slot back as soon as Redis answers again, with no
+    other call of the session (before, it waited for the next call)."""
+    r = redis_factory()
+    use_redis(pg, r, on_error="allow")
+    identity = new_ident("failed_call")
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    r.cli("CLIENT", "PAUSE", "400", "ALL")
+    pg.execute("SAVEPOINT s")
+    pg.execute("SET LOCAL statement_timeout = '100ms'")
     with pytest.raises(psycopg.errors.QueryCanceled):
-        pg.execute(ALLOW, (identity,))
-    pg.execute("ROLLBACK")
-    assert time.monotonic() - t0 < 1.5  # not 300 ms + 2 x command_timeout
-    # a WARNING says that the release and the refund wait for the next call
-    warned = [(n.message_primary or "") + " / " + (n.message_detail or "")
-              for n in warnings_of(notices)]
-    assert warned, "no WARNING that the transaction end's work was not sent"
-    assert any("next call" in w or "next command" in w for w in warned), warned
-    r.resume()
-    # nothing was sent yet: the slot is still taken
-    assert int(r.cli("ZCARD", slot_key)) == 1
-    # the session works again, on a new connection, and its next call sends
-    # the queued release and refund first: the slot is free and the units of
-    # the rolled-back transaction (the cancelled call's too, if Redis ran it
-    # once it woke) are given back
-    assert allow(pg, new_ident("abort_hung_after")) is True
-    assert int(r.cli("EXISTS", slot_key)) == 0
-    assert int(r.cli("EXISTS", allow_key(identity))) == 0
+        pg.execute(ALLOW, (new_ident("failed_call_other"),))
+    pg.execute("ROLLBACK TO SAVEPOINT s")
+    set_gucs(pg, command_timeout=100)
+    assert allow(pg, new_ident("failed_call_third")) is True  # on_error allow
+    pg.execute("COMMIT")
+    wait_for(lambda: int(r.cli("EXISTS", slot_key_long(identity))) == 0, 3.0,
+               "the release after CLIENT PAUSE ended")
+
+
+def end_killed_and_paused(pg, r, identity, end, refund=False):
+    """BEGIN; a slot of ACQUIRE_LONG for identity (with refund, a unit of
+    ALLOW too); Redis kills the session's connection and stops (SIGSTOP);
+    end ("COMMIT" or "ROLLBACK") must return within the 200 ms budget (with
+    a generous margin); then Redis goes on."""
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    if refund:
+        assert allow(pg, identity) is True
+    assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
+    r.pause()
+    try:
+        t0 = time.monotonic()
+        pg.execute(end)
+        elapsed = time.monotonic() - t0
+    finally:
+        r.resume()
+    assert elapsed < 0.2 + 0.5, (end, elapsed)
+
+
+def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
+    """Redis killed the session's connection, then hangs (SIGSTOP) at the
+    transaction end, rl_redis.xact_end_budget 200 ms: COMMIT and ROLLBACK
+    return within the budget (with a generous margin). Without a password
+    the new connection takes the release and the refund and Redis runs them
+    once it wakes, with no call of the session. With a password the
+    connect's AUTH gets no answer in time: a WARNING says the work waits
+    for the session's next call, the slot stays taken until that call, which
+    gives it back."""
+    r = redis_factory()
+    use_redis(pg, r, refund_on_abort="all", xact_end_budget=200)
+    notices = collect_notices(pg)
+    for end in ("COMMIT", "ROLLBACK"):
+        identity = new_ident("unreachable")
+        end_killed_and_paused(pg, r, identity, end, refund=True)
+        wait_for(lambda: int(r.cli("EXISTS", slot_key_long(identity))) == 0, 5.0,
+                   "the release after Redis woke")
+        assert int(r.cli("EXISTS", allow_key(identity))) == (0 if end == "ROLLBACK" else 1)
+    assert warnings_of(notices) == []
+
+    r = redis_factory(password="s3cret")
+    use_redis(pg, r, password="s3cret")
+    for end in ("COMMIT", "ROLLBACK"):
+        identity = new_ident("unreachable_auth")
+        notices.clear()
+        end_killed_and_paused(pg, r, identity, end)
+        warned = [n.message_primary or "" for n in warnings_of(notices)]
+        assert any("waits for the session's next call" in w for w in warned), warned
+        assert int(r.cli("ZCARD", slot_key_long(identity))) == 1
+        assert allow(pg, new_ident("unreachable_next")) is True  # the next call
+        assert int(r.cli("EXISTS", slot_key_long(identity))) == 0
 
 
 def test_reload_with_same_settings_keeps_the_connection(pg, redis_factory):

@@ -425,6 +425,94 @@ def test_stale_deferred_slots_do_not_hold_commit(shared_server, sessions, polici
     assert conn.info.backend_pid not in shared_server.clients()
 
 
+LONG_LEASE_MS = 600000  # 10 minutes: a slot freed in a test was given back, not expired
+
+
+def test_cancelled_acquires_give_their_slots_back(shared_server, sessions):
+    """4 shared sessions, 150 rounds each of BEGIN; SET LOCAL
+    statement_timeout = '1ms'; rl_concurrency_acquire_allow (lim 2, lease
+    10 minutes); ROLLBACK: many acquires are cancelled while the worker has
+    them, and Redis may have given their slots. Once the sessions are
+    closed, no slot is taken and a new session takes both at once (before,
+    the release of a cancelled acquire was queued only when the session's
+    own connection had sent it, which the worker path never says: the
+    slots stayed taken for the whole lease)."""
+    ident = new_ident("cancelled")
+    conns = sessions(4, transport="shared")
+    acquire = "SELECT rl_concurrency_acquire_allow(%%s, 2, %d)" % LONG_LEASE_MS
+    cancelled = [0] * len(conns)
+
+    def body(i):
+        for _ in range(150):
+            conns[i].execute("BEGIN")
+            try:
+                # the 1 ms may end the SET itself (extended protocol)
+                conns[i].execute("SET LOCAL statement_timeout = '1ms'")
+                conns[i].execute(acquire, (ident,))
+            except psycopg.errors.QueryCanceled:
+                cancelled[i] += 1
+            conns[i].execute("ROLLBACK")
+
+    assert run_threads(len(conns), body) == []
+    assert sum(cancelled) > 0
+    close_and_wait(conns)
+    key = rl_key("concurrency", ident, lim=2, window_ms=LONG_LEASE_MS)
+    assert int(shared_server.redis.command("ZCARD", key)) == 0, sum(cancelled)
+    fresh = sessions(1, transport="shared")[0]
+    with fresh.transaction():
+        assert [fresh.execute(acquire, (ident,)).fetchone()[0] for _ in range(3)] == \
+            [True, True, False]
+
+
+def test_terminated_holders_give_their_slots_back(clusters):
+    """Shared sessions holding a slot (lim 1, lease 10 minutes) are ended by
+    pg_terminate_backend: one idle in its transaction, one while the worker
+    has its acquire and Redis sleeps (SIGSTOP; the worker's command_timeout
+    30 s). Once Redis wakes, each slot is free without waiting for its
+    lease, and another session takes it (before, the acquire the worker had
+    taken was never given back)."""
+    server, redis = clusters(command_timeout=30000, connect_timeout=30000)
+    admin = server.connect()
+    acquire = "SELECT rl_concurrency_acquire_allow(%%s, 1, %d)" % LONG_LEASE_MS
+    try:
+        for in_flight in (False, True):
+            ident = new_ident("terminated")
+            key = rl_key("concurrency", ident, lim=1, window_ms=LONG_LEASE_MS)
+            holder = server.connect(transport="shared")
+            pid = holder.info.backend_pid
+            assert holder.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
+                                  (new_ident("warm"),)).fetchone()[0] is True
+            holder.execute("BEGIN")
+            call = None
+            if in_flight:
+                redis.pause()
+                call = QueryThread(holder, acquire, (ident,))
+                call.start()
+                wait_until_active(admin, pid)
+                time.sleep(0.5)  # the worker takes it (not observable while Redis sleeps)
+            else:
+                assert holder.execute(acquire, (ident,)).fetchone()[0] is True
+                assert int(redis.command("ZCARD", key)) == 1
+            try:
+                assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0]
+                wait_for(lambda: not os.path.exists("/proc/%d" % pid), 15.0,
+                         "the terminated backend to exit")
+            finally:
+                redis.resume()
+            if call is not None:
+                call.join(10)
+                assert call.error is not None
+            holder.close()
+            wait_for(lambda: int(redis.command("ZCARD", key)) == 0, 5.0,
+                     "the slot given back (in flight: %s)" % in_flight)
+            other = server.connect(transport="shared")
+            with other.transaction():
+                assert other.execute(acquire, (ident,)).fetchone()[0] is True
+            other.close()
+    finally:
+        admin.close()
+
+
 def test_eight_sessions_one_connection(shared_server, sessions, policies):
     """8 shared sessions at once, every algorithm: each gets the rows a
     backend session gets, and the server holds exactly one connection to

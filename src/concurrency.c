@@ -40,8 +40,9 @@ static List *held_slots = NIL;	/* of RlSlot *, in TopMemoryContext */
 static uint64 slot_counter = 0;
 
 /*
- * The slot being asked for while its call is in flight: if an interrupt
- * ends the call, Redis may have given it, so the abort gives it back.
+ * The slot being asked for while its call is in flight: if the call fails or
+ * an interrupt ends it, Redis may have given it, so it is given back
+ * (rl_release_asking, the one place that decides).
  */
 static RlSlot *asking = NULL;
 
@@ -119,8 +120,9 @@ rl_release_from_level(int nestlevel)
 }
 
 /*
- * Queues the release of the slot whose call an interrupt ended (Redis may
- * have given it). Never raises.
+ * Queues the release of the slot whose call failed or an interrupt ended
+ * when the call may have reached Redis (rl_command_was_sent, on either
+ * transport), which may have given it; forgets the slot. Never raises.
  */
 static void
 rl_release_asking(void)
@@ -271,19 +273,17 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	start = rl_stats ? GetCurrentTimestamp() : 0;
 	reply = rl_call(key->data, key->len, &rl_script_concurrency, 8, argv,
 					argvlen, &conn, &failure);
-	asking = NULL;
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
 	{
 		/* Redis may have given the slot before the call failed: give it back */
-		if (conn != NULL && rl_command_was_sent(conn))
-			rl_queue_release(slot);
-		rl_free_slot(slot);
+		rl_release_asking();
 		rl_stats_failed(key->data, key->len, &failure, true);
 		rl_apply_on_error(&failure, lim, 1, d);
 		rl_stats_decided(key->data, key->len, d, 1, 0);
 		return;
 	}
+	asking = NULL;
 	rl_stats_decided(key->data, key->len, d, 1,
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
 	if (!d->allowed)

@@ -279,6 +279,7 @@ extern void rl_defer_command(RlConn *conn, int argc, const char **argv,
 extern uint64 rl_server_generation(void);
 extern uint64 rl_settings_version(void);
 extern bool rl_command_was_sent(RlConn *conn);
+extern void rl_conn_note_sent(RlConn *conn, bool sent);
 extern uint64 rl_settings_hash(void);
 extern bool rl_conn_has_queued(RlConn *conn);
 extern bool rl_conn_ready(RlConn *conn);
@@ -390,10 +391,11 @@ extern void rl_call_many(RlCall *calls, int n);
 #define RL_SHARED_REQUEST_MAX 8192
 
 extern void rl_shared_queue_init(void);
-extern redisReply *rl_shared_call(const RlScript *script, int argc,
-								  const char **argv, const size_t *argvlen,
-								  int keyarg, uint64 settings,
-								  RlFailure *failure, bool *used);
+extern redisReply *rl_shared_call(RlConn *own, const RlScript *script,
+								  int argc, const char **argv,
+								  const size_t *argvlen, int keyarg,
+								  uint64 settings, RlFailure *failure,
+								  bool *used);
 extern bool rl_shared_defer(const RlDeferred *work, uint64 settings);
 extern void rl_shared_worker_start(uint64 settings);
 extern void rl_shared_worker_settings(uint64 settings);

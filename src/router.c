@@ -825,7 +825,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 		redisReply *reply = NULL;
 
 		if (!rl_conn_has_queued(own))
-			reply = rl_shared_call(script, argc, argv, argvlen,
+			reply = rl_shared_call(own, script, argc, argv, argvlen,
 								   RL_SCRIPT_ARGV_RESERVED + 1,
 								   rl_settings_hash(), failure, &used);
 		if (used)

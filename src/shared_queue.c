@@ -238,19 +238,24 @@ rl_claim_slot(void)
 /*
  * The session stops waiting on slot: a call not taken yet, or a result
  * nobody will read, frees it; a call on its way is left to the worker,
- * which frees it when its reply comes.
+ * which frees it when its reply comes. True when the worker had taken the
+ * call (it may have reached Redis).
  */
-static void
+static bool
 rl_give_up_slot(RlSlot *slot)
 {
+	RlSlotState state;
+
 	SpinLockAcquire(&slot->mutex);
-	if (slot->state == RL_SLOT_QUEUED || slot->state == RL_SLOT_DONE ||
-		slot->state == RL_SLOT_FILLING)
+	state = slot->state;
+	if (state == RL_SLOT_QUEUED || state == RL_SLOT_DONE ||
+		state == RL_SLOT_FILLING)
 		slot->state = RL_SLOT_FREE;
-	else if (slot->state == RL_SLOT_TAKEN)
+	else if (state == RL_SLOT_TAKEN)
 		slot->state = RL_SLOT_ABANDONED;
 	SpinLockRelease(&slot->mutex);
 	waiting_slot = NULL;
+	return state == RL_SLOT_TAKEN || state == RL_SLOT_DONE;
 }
 
 /* Frees a deferred slot (under its lock): no session's any more. */
@@ -382,7 +387,8 @@ typedef enum RlWaitEnd
 {
 	RL_WAIT_DONE,				/* the slot holds the result */
 	RL_WAIT_NOT_SENT,			/* the worker left: the session sends it */
-	RL_WAIT_TIMED_OUT			/* the slot was given up */
+	RL_WAIT_TIMED_OUT,			/* the slot was given up, the call taken */
+	RL_WAIT_TIMED_OUT_UNSENT	/* the slot was given up, never taken */
 } RlWaitEnd;
 
 /*
@@ -433,12 +439,11 @@ rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
 		{
 			SpinLockAcquire(&slot->mutex);
 			state = slot->state;
-			if (state == RL_SLOT_QUEUED)
-				slot->state = RL_SLOT_FREE;
-			else if (state != RL_SLOT_DONE)
-				slot->state = RL_SLOT_ABANDONED;
 			SpinLockRelease(&slot->mutex);
-			return state == RL_SLOT_DONE ? RL_WAIT_DONE : RL_WAIT_TIMED_OUT;
+			if (state == RL_SLOT_DONE)
+				return RL_WAIT_DONE;
+			return rl_give_up_slot(slot) ? RL_WAIT_TIMED_OUT :
+				RL_WAIT_TIMED_OUT_UNSENT;
 		}
 		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 						 Min(left, RL_WORKER_CHECK_MS), PG_WAIT_EXTENSION);
@@ -454,15 +459,18 @@ rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
  * script's numkeys, keys and arguments; argv[keyarg] the key it routes by.
  * *used is false (and nothing sent) when the call must go on the session's
  * own connection instead: see the file's header; settings is the hash of
- * this session's connection settings. The wait ends at the latest after
- * connect_timeout plus command_timeout; an interrupt (cancel,
- * statement_timeout) raises its error from inside, and the reply of that
- * call is then dropped by the worker.
+ * this session's connection settings. The call is accounted to own, the
+ * session's connection to the server: whether it may have reached Redis
+ * (the worker took it) is noted there (rl_conn_note_sent), also when an
+ * error ends the wait. The wait ends at the latest after connect_timeout
+ * plus command_timeout; an interrupt (cancel, statement_timeout) raises its
+ * error from inside, and the reply of that call is then dropped by the
+ * worker.
  */
 redisReply *
-rl_shared_call(const RlScript *script, int argc, const char **argv,
-			   const size_t *argvlen, int keyarg, uint64 settings,
-			   RlFailure *failure, bool *used)
+rl_shared_call(RlConn *own, const RlScript *script, int argc,
+			   const char **argv, const size_t *argvlen, int keyarg,
+			   uint64 settings, RlFailure *failure, bool *used)
 {
 	RlSlot	   *slot;
 	PGPROC	   *worker;
@@ -514,6 +522,8 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 		return NULL;
 	}
 	rl_enqueue(slot, RL_SLOT_QUEUED, worker);
+	/* the worker may take it from here on (a FATAL leaves this standing) */
+	rl_conn_note_sent(own, true);
 
 	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), wait_ms);
 	PG_TRY();
@@ -523,7 +533,7 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 	PG_CATCH();
 	{
 		/* an interrupt: the reply, if it comes, is not ours to read */
-		rl_give_up_slot(slot);
+		rl_conn_note_sent(own, rl_give_up_slot(slot));
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
@@ -531,12 +541,14 @@ rl_shared_call(const RlScript *script, int argc, const char **argv,
 	if (end == RL_WAIT_NOT_SENT)
 	{
 		waiting_slot = NULL;	/* freed by rl_shared_wait */
+		rl_conn_note_sent(own, false);
 		return NULL;			/* *used false: the session sends it */
 	}
 	*used = true;
-	if (end == RL_WAIT_TIMED_OUT)
+	if (end != RL_WAIT_DONE)
 	{
-		waiting_slot = NULL;	/* given up by rl_shared_wait */
+		/* given up by rl_shared_wait */
+		rl_conn_note_sent(own, end == RL_WAIT_TIMED_OUT);
 		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
 		failure->first_in_outage = true;
 		failure->breaker_opened = false;

@@ -16,16 +16,20 @@
  *
  * A connection is opened on first use (resolve, open, TLS, handshake: one
  * step each) and kept for the life of the backend. It is discarded, never
- * reused, after any failure or interrupted call (a reply might still be in
- * flight), and after a connection setting changed; the next call opens a new
- * one.
+ * reused, after any failure, and after a connection setting changed; the
+ * next call opens a new one. A call an error cut short after it was written
+ * keeps its connection: its replies are read and dropped first, so that
+ * none reaches another caller.
  *
  * Work that belongs to the end of a (sub)transaction (slot releases,
  * refunds) is queued on a connection with rl_defer_command. The transaction
  * callback here, which runs after the other modules' ones, writes each queue
  * to its open connection within a fixed budget and reads the replies it can
- * within it; the rest are read before the next command. It never connects
- * (no host-name lookup at commit) and never raises. A queued command leaves
+ * within it; the rest are read before the next command. A connection Redis
+ * closed, or that a failed call discarded, is opened again within that
+ * budget, to the address it was last opened to (no host-name lookup at
+ * commit); only what Redis did not take in time waits for the session's
+ * next call. It never raises. A queued command leaves
  * the queue when its reply is read. When the connection is lost first, a
  * command that is harmless to repeat (a slot release, a refund that drops a
  * record) is sent again on the next connection, and one that is not (a
@@ -108,8 +112,11 @@ struct RlConn
 	RlTls		tls;			/* with rl_redis.tls */
 	bool		ready;			/* connected, nothing unread but the pending
 								 * replies: safe to send */
-	bool		last_command_sent;	/* the last command was written whole
-									 * (it may have run) */
+	bool		last_command_sent;	/* the last command was written whole,
+									 * or handed to the worker (it may have
+									 * run) */
+	int			skip_replies;	/* of an interrupted call: read and dropped
+								 * before the queue's */
 	int			replies_due;	/* of the commands rl_pipeline_send wrote */
 	TimestampTz replies_deadline;	/* when the next is due at the latest */
 	int			replies_timeout_ms; /* of a pipeline: the wait for each */
@@ -121,6 +128,13 @@ struct RlConn
 	 * leaves it behind, and the next connect frees it.
 	 */
 	struct addrinfo *pending_addrs;
+
+	/*
+	 * The address the last connection was opened to (addrlen 0: none yet),
+	 * which a transaction end connects to again without a name lookup.
+	 */
+	struct sockaddr_storage addr;
+	socklen_t	addrlen;
 
 	/* the transaction-end queue */
 	StringInfoData queue;
@@ -229,18 +243,33 @@ rl_disconnect(RlConn *conn)
 		redisReaderFree(conn->reader);
 	conn->reader = NULL;
 	conn->ready = false;
+	conn->skip_replies = 0;
 	rl_queue_unconfirmed(conn);
 }
 
 /*
- * True when the last command (rl_command) on conn, failed or not, was
- * written whole to Redis, which may then have run it; false when it never
- * left (breaker open, no connection, a write cut short).
+ * True when the last call on conn (rl_command, or a call of the shared
+ * transport accounted to it, rl_conn_note_sent), failed, interrupted or
+ * not, may have reached Redis, which may then have run it; false when it
+ * never left (breaker open, no connection, a write cut short, a call the
+ * worker never took). What a call may have done in Redis is undone (a slot
+ * given back) by this answer alone, whatever way the call went.
  */
 bool
 rl_command_was_sent(RlConn *conn)
 {
 	return conn->last_command_sent;
+}
+
+/*
+ * Notes whether the last call accounted to conn, which went through the
+ * worker of the shared transport instead, may have reached Redis (see
+ * rl_command_was_sent).
+ */
+void
+rl_conn_note_sent(RlConn *conn, bool sent)
+{
+	conn->last_command_sent = sent;
 }
 
 /*
@@ -1020,6 +1049,24 @@ rl_settings_signature(StringInfo buf, RlConnKind kind)
 }
 
 /*
+ * True when the current connection settings differ from what conn's last
+ * connection was made with (conn->settings, which must be set).
+ */
+static bool
+rl_settings_differ(RlConn *conn)
+{
+	StringInfoData now;
+	bool		differ;
+
+	initStringInfo(&now);
+	rl_settings_signature(&now, conn->kind);
+	differ = now.len != conn->settings.len ||
+		memcmp(now.data, conn->settings.data, now.len) != 0;
+	pfree(now.data);
+	return differ;
+}
+
+/*
  * True when a connection setting was assigned a value that differs from
  * what the open connection was made with (a reload that assigns the same
  * values again keeps the connection).
@@ -1027,17 +1074,7 @@ rl_settings_signature(StringInfo buf, RlConnKind kind)
 static bool
 rl_settings_changed(RlConn *conn)
 {
-	StringInfoData now;
-	bool		changed;
-
-	if (!conn->ready)
-		return true;
-	initStringInfo(&now);
-	rl_settings_signature(&now, conn->kind);
-	changed = now.len != conn->settings.len ||
-		memcmp(now.data, conn->settings.data, now.len) != 0;
-	pfree(now.data);
-	return changed;
+	return !conn->ready || rl_settings_differ(conn);
 }
 
 /*
@@ -1092,7 +1129,8 @@ rl_close_idle(void)
 	{
 		rl_queue_account(conn);
 		if (conn->sock != PGINVALID_SOCKET && conn->ready &&
-			conn->queue_count == 0 && conn->pending_replies == 0)
+			conn->queue_count == 0 && conn->pending_replies == 0 &&
+			conn->skip_replies == 0)
 			rl_disconnect(conn);
 	}
 }
@@ -1164,6 +1202,11 @@ rl_open(RlConn *conn, struct sockaddr_un *sun, TimestampTz deadline,
 	{
 		if (rl_open_socket(conn, ai->ai_addr, ai->ai_addrlen, deadline, failure))
 			break;
+	}
+	if (ai != NULL && ai->ai_addrlen <= sizeof(conn->addr))
+	{
+		memcpy(&conn->addr, ai->ai_addr, ai->ai_addrlen);
+		conn->addrlen = ai->ai_addrlen;
 	}
 	freeaddrinfo(conn->pending_addrs);
 	conn->pending_addrs = NULL;
@@ -1240,12 +1283,14 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 
 /*
  * Opens a new connection to conn's server from the current settings:
- * resolve, open, TLS (with rl_redis.tls), handshake, within timeout_ms.
+ * resolve, open, TLS (with rl_redis.tls), handshake, before deadline.
+ * Without resolve (a transaction end), a host name is not looked up: the
+ * socket is opened to the address the last connection was opened to.
  */
 static bool
-rl_connect(RlConn *conn, int timeout_ms, RlFailure *failure)
+rl_connect(RlConn *conn, TimestampTz deadline, bool resolve,
+		   RlFailure *failure)
 {
-	TimestampTz deadline = rl_deadline(timeout_ms);
 	struct sockaddr_un sun;
 
 	rl_register_exit();
@@ -1264,23 +1309,19 @@ rl_connect(RlConn *conn, int timeout_ms, RlFailure *failure)
 		initStringInfo(&conn->settings);
 		MemoryContextSwitchTo(old);
 	}
-	else
+	/* what was queued for the previous server must not reach this one */
+	else if (rl_settings_differ(conn))
 	{
-		StringInfoData now;
-
-		/* what was queued for the previous server must not reach this one */
-		initStringInfo(&now);
-		rl_settings_signature(&now, conn->kind);
-		if (now.len != conn->settings.len ||
-			memcmp(now.data, conn->settings.data, now.len) != 0)
-		{
-			server_generation++;
-			rl_discard_queue(conn, "the connection settings now name another Redis server");
-		}
-		pfree(now.data);
+		server_generation++;
+		rl_discard_queue(conn, "the connection settings now name another Redis server");
 	}
 	rl_settings_signature(&conn->settings, conn->kind);
 
+	if (!resolve && conn->host[0] != '/')
+		return rl_open_socket(conn, (struct sockaddr *) &conn->addr,
+							  conn->addrlen, deadline, failure) &&
+			(!rl_tls || rl_tls_start(conn, deadline, failure)) &&
+			rl_authenticate(conn, deadline, failure);
 	return rl_resolve(conn, &sun, failure) &&
 		rl_open(conn, &sun, deadline, failure) &&
 		(!rl_tls || rl_tls_start(conn, deadline, failure)) &&
@@ -1498,8 +1539,9 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 }
 
 /*
- * Reads the replies of the queued commands written to the connection and
- * takes those commands off the queue; an error reply is logged. False (with
+ * Reads the replies of the queued commands written to the connection (after
+ * those of an interrupted call, which are dropped) and takes those commands
+ * off the queue; an error reply is logged. False (with
  * the failure filled in) when the connection failed, or, with patient,
  * when the deadline passed first (failure->sqlerrcode 0; the rest of the
  * replies are read later).
@@ -1507,6 +1549,16 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 static bool
 rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 {
+	/* first those of an interrupted call (rl_conn_interrupted): dropped */
+	while (conn->skip_replies > 0)
+	{
+		redisReply *reply = rl_recv(conn, deadline, patient, failure);
+
+		if (reply == NULL)
+			return false;
+		freeReplyObject(reply);
+		conn->skip_replies--;
+	}
 	while (conn->pending_replies > 0)
 	{
 		redisReply *reply;
@@ -1773,10 +1825,48 @@ rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
 }
 
 /*
- * At the end of a (sub)transaction: writes the queue to an open connection
- * within rl_redis.xact_end_budget (less when command_timeout is smaller).
+ * At a transaction end, for a connection without a usable socket (Redis
+ * closed it, a call failed or was cut short): connects again before
+ * deadline, to the address the last connection was opened to (no name
+ * lookup), with the settings it was made with. False when it cannot: never
+ * connected, the settings name another server now (the next call sorts
+ * that out), or Redis could not be reached in time. Never raises.
+ */
+static bool
+rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline)
+{
+	RlFailure	failure;
+	RlHold		hold;
+	volatile bool ok = false;
+
+	if (conn->settings.data == NULL ||
+		(conn->host[0] != '/' && conn->addrlen == 0))
+		return false;
+	rl_hold_save(&hold);
+	PG_TRY();
+	{
+		if (!rl_settings_differ(conn))
+			ok = rl_connect(conn, deadline, false, &failure);
+	}
+	PG_CATCH();
+	{
+		rl_hold_restore(&hold);
+		rl_disconnect(conn);
+		ok = false;
+	}
+	PG_END_TRY();
+	return ok;
+}
+
+/*
+ * At the end of a (sub)transaction: writes the queue within
+ * rl_redis.xact_end_budget (less when command_timeout is smaller) to the
+ * open connection, or hands it to the worker of the shared transport, or
+ * connects again (rl_reconnect_at_xact_end) when Redis closed the
+ * connection or a call of the transaction failed; only when Redis cannot be
+ * reached in that time does the work wait for the session's next call.
  * Interrupts are held here, so the budget is the only bound; nothing here
- * raises or connects.
+ * raises or looks a name up.
  */
 static void
 rl_flush_queue(RlConn *conn, TimestampTz deadline)
@@ -1789,16 +1879,17 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 	/* a connection the server closed while idle would swallow the queue */
 	rl_queue_account(conn);
 	if (conn->ready && conn->pending_replies == 0 && conn->queue_partial == 0 &&
-		(conn->shut || !rl_connection_alive(conn)))
+		conn->skip_replies == 0 && (conn->shut || !rl_connection_alive(conn)))
 		rl_disconnect(conn);
 	if ((!conn->ready || conn->sock == PGINVALID_SOCKET) &&
 		rl_conn_hand_to_worker(conn, deadline))
 		return;
-	if (!conn->ready || conn->sock == PGINVALID_SOCKET)
+	if ((!conn->ready || conn->sock == PGINVALID_SOCKET) &&
+		!rl_reconnect_at_xact_end(conn, deadline))
 	{
 		ereport(WARNING,
 				(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
-				 errdetail("There is no usable connection to Redis at %s now.",
+				 errdetail("Redis at %s could not be reached within rl_redis.xact_end_budget.",
 						   conn->address)));
 		return;
 	}
@@ -1848,7 +1939,8 @@ rl_idle_timeout_handler(void)
 		pgsocket	sock = conn->sock;
 
 		if (sock != PGINVALID_SOCKET && conn->ready &&
-			conn->queue_count == 0 && conn->pending_replies == 0)
+			conn->queue_count == 0 && conn->pending_replies == 0 &&
+			conn->skip_replies == 0)
 		{
 			(void) shutdown(sock, SHUT_RDWR);
 			conn->shut = true;
@@ -1886,9 +1978,29 @@ rl_arm_idle_timeout(void)
 }
 
 /*
- * At the end of a (sub)transaction, for each connection: drops it when its
- * command was interrupted by an error (a reply may be in flight; abort
- * only), then sends its queue.
+ * At an abort, for a connection whose call an error cut short: when the
+ * call's commands were written whole and only their replies are due, the
+ * connection is kept, and those replies are read and dropped before any
+ * other (rl_read_pending), so that what the transaction end queues reaches
+ * Redis after them, in order, and no reply reaches another caller; else (a
+ * connect or a write cut short, which Redis never ran) it is dropped.
+ */
+static void
+rl_conn_interrupted(RlConn *conn)
+{
+	if (conn->replies_due > 0 && conn->reader != NULL)
+	{
+		conn->skip_replies += conn->replies_due;
+		conn->replies_due = 0;
+		conn->ready = true;
+	}
+	else
+		rl_disconnect(conn);
+}
+
+/*
+ * At the end of a (sub)transaction, for each connection: takes in a call an
+ * error cut short (abort only, rl_conn_interrupted), then sends its queue.
  */
 static void
 rl_xact_end(bool abort)
@@ -1904,7 +2016,7 @@ rl_xact_end(bool abort)
 	for (conn = conn_list; conn != NULL; conn = conn->next)
 	{
 		if (abort && conn->sock != PGINVALID_SOCKET && !conn->ready)
-			rl_disconnect(conn);
+			rl_conn_interrupted(conn);
 		rl_flush_queue(conn, deadline);
 	}
 	/* idle from here on, until the next command */
@@ -2078,9 +2190,10 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 	rl_queue_account(conn);
 	if (!conn->ready || conn->shut ||
 		(conn->pending_replies == 0 && conn->queue_partial == 0 &&
-		 !rl_connection_alive(conn)))
+		 conn->skip_replies == 0 && !rl_connection_alive(conn)))
 	{
-		bool		connected = rl_connect(conn, connect_ms, failure);
+		bool		connected = rl_connect(conn, rl_deadline(connect_ms), true,
+											   failure);
 
 		/* AUTH, SELECT and ROLE were sent, not the command */
 		conn->last_command_sent = false;

@@ -72,27 +72,28 @@ rl_worker_exit(int code, Datum arg)
 
 /*
  * Takes every queued call and transaction-end work from the queue, sends
- * the calls (pipelined, the transaction-end work first on the same
- * connection) and hands their results back, and tells the sessions that
- * handed work over that it was sent. Returns how many slots it took.
- * calls and slots have room for every slot of the queue.
+ * the calls (pipelined) and hands their results back, then sends the
+ * transaction-end work on the same connections, after the calls (a slot
+ * release handed over after its session gave up waiting for the acquire
+ * goes after that acquire), and tells the sessions that handed work over
+ * that it was sent. Returns how many slots it took. calls and slots have
+ * room for every slot of the queue.
  */
 static int
 rl_worker_round(RlCall *calls, int *slots)
 {
 	int			nslots = rl_shared_slots();
 	int		   *done = palloc(sizeof(int) * Max(nslots, 1));
+	RlDeferred *works = palloc(sizeof(RlDeferred) * Max(nslots, 1));
 	int			ndone = 0;
 	int			n = 0;
 	int			i;
 
 	for (i = 0; i < nslots; i++)
 	{
-		RlDeferred	work;
-		const RlScript *script = NULL;
 		int			script_id;
 
-		switch (rl_shared_take(i, &calls[n], &script_id, &work))
+		switch (rl_shared_take(i, &calls[n], &script_id, &works[ndone]))
 		{
 			case 1:
 				calls[n].script = rl_script_by_id(script_id);
@@ -109,13 +110,6 @@ rl_worker_round(RlCall *calls, int *slots)
 				slots[n++] = i;
 				break;
 			case 2:
-				if (work.script_len > 0 &&
-					(script = rl_script_by_text(work.script_len, work.script_hash)) == NULL)
-					ereport(LOG,
-							(errmsg("rl_redis worker: dropped transaction-end work for an unknown script")));
-				else
-					rl_conn_defer_handed(rl_conn_at(work.host, work.port, RL_CONN_SERVER),
-										 &work, script ? script->body : NULL);
 				done[ndone++] = i;
 				break;
 			default:
@@ -124,7 +118,7 @@ rl_worker_round(RlCall *calls, int *slots)
 	}
 	if (n > 0)
 	{
-		/* each connection sends its queued work before the calls */
+		/* each connection sends the work queued in earlier rounds first */
 		rl_call_many(calls, n);
 		for (i = 0; i < n; i++)
 		{
@@ -136,7 +130,21 @@ rl_worker_round(RlCall *calls, int *slots)
 	}
 	if (ndone > 0)
 	{
-		/* what no call carried goes now (and its replies are read) */
+		for (i = 0; i < ndone; i++)
+		{
+			const RlScript *script = NULL;
+
+			if (works[i].script_len > 0 &&
+				(script = rl_script_by_text(works[i].script_len,
+											works[i].script_hash)) == NULL)
+				ereport(LOG,
+						(errmsg("rl_redis worker: dropped transaction-end work for an unknown script")));
+			else
+				rl_conn_defer_handed(rl_conn_at(works[i].host, works[i].port,
+												RL_CONN_SERVER),
+									 &works[i], script ? script->body : NULL);
+		}
+		/* sent now (and its replies are read) */
 		rl_send_queued(NULL);
 		for (i = 0; i < ndone; i++)
 			rl_shared_deferred_done(done[i]);
