@@ -147,8 +147,8 @@ def run(steps, policy, identity, here=None, there=None):
 
 @pytest.mark.parametrize("algorithm", sorted(NUMBERS))
 def test_two_databases_same_policy_other_numbers(env, other_db, algorithm):
-    """One policy name, 5 per 60 s here and 5 per 7 s (burst 8) in the other
-    database; an ordinary role calls through both in turn, every 8 s of the
+    """One policy name, 5 per 60 s here and 5 per 7 s (burst 8 for the
+    bucket and GCRA) in the other database; an ordinary role calls through both in turn, every 8 s of the
     test clock for 48 s. Each database decides exactly as it would alone:
     the other's calls neither reset nor share its count (1.5 before the
     fix: a fixed window allowed here all 21 calls of 21)."""
