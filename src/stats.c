@@ -12,8 +12,8 @@
  *
  * A call is counted by the key it decided on (rl_parse_key): by its kind,
  * the algorithm (or "concurrency"), and its policy's name ("" for explicit
- * arguments). calls = allowed + denied + errors; an
- * error that rl_redis.on_error turned into a decision is also counted in
+ * arguments). calls = allowed + denied + errors; an error that
+ * rl_redis.on_error turned into a decision is also counted in
  * fallback_allow or fallback_deny.
  */
 #include "postgres.h"
