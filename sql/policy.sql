@@ -18,7 +18,8 @@ SELECT * FROM rl_check('approx', 'po:u1', 0);
 -- a refund through the policy
 SELECT * FROM rl_refund('free', 'po:u1', 2);
 
--- each policy keeps its own key: <prefix><algorithm>:{<identity>}:<policy>
+-- each policy keeps its own key, which carries its numbers:
+-- <prefix><algorithm>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
 SELECT current_setting('rl_redis.port') AS port \gset
 \setenv RLPORT :port
 \! redis-cli -p $RLPORT --scan --pattern 'rltest:*{po:u1}*' | sort
@@ -35,7 +36,8 @@ SELECT * FROM rl_check_all(ARRAY['free.daily', 'pro'], 'po:u2', 1);
 SELECT rl_allow_all(ARRAY['free.daily', 'free.daily'], 'po:u2', 10),
        rl_allow_all(ARRAY['free.daily'], 'po:u2', 1);
 
--- a change to the table is seen on the next call
+-- a change to the table is seen on the next call: a fresh count under the
+-- new numbers
 UPDATE rl_policy SET lim = 10 WHERE name = 'free';
 SELECT * FROM rl_check('free', 'po:u2', 0);
 DELETE FROM rl_policy WHERE name = 'approx';

@@ -169,18 +169,19 @@ def set_gucs(conn, **gucs):
 
 def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None,
            prefix="rl:"):
-    """The documented Redis key of a decision (1.3):
-      policy:   <prefix><algorithm>:{<enc(identity)>}:<policy>
+    """The documented Redis key of a decision:
       explicit: <prefix><algorithm>:{<enc(identity)>}:<lim>/<window_ms>[/<burst>]
+      policy:   <prefix><algorithm>:{<enc(identity)>}:<policy>:<lim>/<window_ms>[/<burst>]
                 (concurrency: window_ms is the lease)
-    where enc() percent-encodes '%', '{' and '}'. Give either the policy or
-    lim and window_ms (and burst when the call passed one)."""
-    if (policy is None) == (lim is None or window_ms is None):
-        raise ValueError("rl_key needs either a policy or lim and window_ms")
+    where enc() percent-encodes '%', '{' and '}'. Give lim and window_ms (and
+    burst when the call or the policy has one), and the policy's name for a
+    policy."""
+    if lim is None or window_ms is None:
+        raise ValueError("rl_key needs lim and window_ms")
     enc = identity.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
     key = "%s%s:{%s}:" % (prefix, algorithm, enc)
     if policy is not None:
-        return key + policy
+        key += policy + ":"
     key += "%d/%d" % (lim, window_ms)
     if burst is not None:
         key += "/%d" % burst

@@ -47,8 +47,8 @@ RESULT = "SELECT (r).allowed, (r).lim, (r).remaining, (r).reset_ms, (r).retry_af
 
 def key_of(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None):
     """The documented Redis key (default prefix) of a policy's state, or of
-    an explicit limit's: explicit keys carry lim/window_ms[/burst] (for
-    concurrency slots lim/lease_ms)."""
+    an explicit limit's: every key carries lim/window_ms[/burst] (for
+    concurrency slots lim/lease_ms), a policy's after its name."""
     return rl_key(algorithm, identity, policy, lim, window_ms, burst)
 
 
@@ -237,7 +237,7 @@ def test_many_sessions_one_policy(pg, shared_redis, policies, algorithm):
         identity, allowed = run()
     assert allowed == lim
     assert check(pg, name, identity, 0)[:3] == (True, lim, 0)
-    assert exists(shared_redis, key_of(algorithm, identity, name)) == 1
+    assert exists(shared_redis, key_of(algorithm, identity, name, lim, DAY_MS)) == 1
 
 
 def test_many_sessions_allow_all(pg, shared_redis, policies):
@@ -257,7 +257,7 @@ def test_many_sessions_allow_all(pg, shared_redis, policies):
     assert allowed == 30
     assert peek_big[:3] == (True, 1000, 970)
     assert peek_small[:3] == (True, 30, 0)
-    assert shared_redis.command("ZCARD", key_of("sliding", identity, big)) == 30
+    assert shared_redis.command("ZCARD", key_of("sliding", identity, big, 1000, DAY_MS)) == 30
 
 
 def test_check_all_is_all_or_nothing(pg, fixed_clock, policies):
@@ -520,21 +520,27 @@ def test_policy_change_seen_by_open_session(policies):
         got = [check(a, name, identity)[:3] for _ in range(3)]
         assert got == [(True, 2, 1), (True, 2, 0), (False, 2, 0)]
 
-        # a committed UPDATE is seen by a's next call
+        # a committed UPDATE is seen by a's next call: a fresh count under
+        # the new numbers
         b.execute("UPDATE rl_policy SET lim = 5 WHERE name = %s", (name,))
-        assert check(a, name, identity)[:3] == (True, 5, 2)
+        assert check(a, name, identity)[:3] == (True, 5, 4)
 
         # an uncommitted one is not; a rolled back one never is
         b.execute("BEGIN")
         b.execute("UPDATE rl_policy SET lim = 10 WHERE name = %s", (name,))
-        assert check(a, name, identity)[:3] == (True, 5, 1)
+        assert check(a, name, identity)[:3] == (True, 5, 3)
         b.execute("ROLLBACK")
-        assert check(a, name, identity)[:3] == (True, 5, 0)
+        assert check(a, name, identity)[:3] == (True, 5, 2)
         b.execute("BEGIN")
         b.execute("UPDATE rl_policy SET lim = 10 WHERE name = %s", (name,))
-        assert check(a, name, identity)[:3] == (False, 5, 0)
+        assert [check(a, name, identity)[:3] for _ in range(3)] == \
+            [(True, 5, 1), (True, 5, 0), (False, 5, 0)]
         b.execute("COMMIT")
-        assert check(a, name, identity)[:3] == (True, 10, 4)
+        assert check(a, name, identity)[:3] == (True, 10, 9)
+
+        # back to the first numbers: their count goes on
+        b.execute("UPDATE rl_policy SET lim = 2 WHERE name = %s", (name,))
+        assert check(a, name, identity)[:3] == (False, 2, 0)
 
         # another algorithm: another key, starting empty
         b.execute("UPDATE rl_policy SET algorithm = 'sliding', lim = 3 WHERE name = %s", (name,))
@@ -561,12 +567,12 @@ def test_policy_change_seen_by_open_session(policies):
             "INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, 'sliding', 7, 60000)",
             (name,),
         )
-        assert check(a, name, identity)[:3] == (True, 7, 5)  # the sliding key kept 1 + this
+        assert check(a, name, identity)[:3] == (True, 7, 6)  # other numbers: a fresh count
 
 
 def test_policy_change_seen_inside_cached_rl_allow_all(policies):
     """rl_allow_all uses the same cache: an UPDATE in another session changes
-    its numbers too."""
+    its numbers too, and starts a fresh count under them."""
     with pg_connect() as a, pg_connect() as b:
         set_gucs(a, test_clock_ms=TEST_CLOCK_MS)
         p1 = policies.create(b, "fixed", 2, 60000, tag="fx")
@@ -575,8 +581,8 @@ def test_policy_change_seen_inside_cached_rl_allow_all(policies):
         q = "SELECT rl_allow_all(ARRAY[%s, %s]::text[], %s)"
         assert [a.execute(q, (p1, p2, identity)).fetchone()[0] for _ in range(3)] == [True, True, False]
         b.execute("UPDATE rl_policy SET lim = 4 WHERE name = %s", (p1,))
-        assert [a.execute(q, (p1, p2, identity)).fetchone()[0] for _ in range(3)] == [True, True, False]
-        assert check(a, p2, identity, 0)[:3] == (True, 50, 46)
+        assert [a.execute(q, (p1, p2, identity)).fetchone()[0] for _ in range(5)] == [True] * 4 + [False]
+        assert check(a, p2, identity, 0)[:3] == (True, 50, 44)
 
 
 # ---------------------------------------------------------------- sliding counter vs sliding log
@@ -955,9 +961,9 @@ def test_reset_removes_every_key(pg, shared_redis, policies):
     fill(identity)
     fill(other)
     keys = [key_of(alg, identity, lim=10, window_ms=W) for alg in ALGORITHMS]
-    keys += [key_of(alg, identity, names[alg]) for alg in ALGORITHMS]
+    keys += [key_of(alg, identity, names[alg], 10, W) for alg in ALGORITHMS]
     other_keys = [key_of(alg, other, lim=10, window_ms=W) for alg in ALGORITHMS]
-    other_keys += [key_of(alg, other, names[alg]) for alg in ALGORITHMS]
+    other_keys += [key_of(alg, other, names[alg], 10, W) for alg in ALGORITHMS]
     slot_key = key_of("concurrency", identity, lim=1, window_ms=60000)
     other_slot_key = key_of("concurrency", other, lim=1, window_ms=60000)
 

@@ -305,7 +305,8 @@ def test_same_rows_as_one_at_a_time(clock, algorithm, burst):
 
 def test_keys_are_those_of_single_calls(clock, shared_redis, policies):
     """rl_<algorithm>_many writes rl:<alg>:{id}:<lim>/<window>[/<burst>] and
-    rl_check_many rl:<alg>:{id}:<policy>, identities percent-encoded."""
+    rl_check_many rl:<alg>:{id}:<policy>:<lim>/<window>, identities
+    percent-encoded."""
     odd = new_ident("odd") + ":{x}%"
     ident = new_ident("key")
     many(clock, "fixed", [odd, ident], 5, 60000)
@@ -315,7 +316,7 @@ def test_keys_are_those_of_single_calls(clock, shared_redis, policies):
     for key in (rl_key("fixed", odd, lim=5, window_ms=60000),
                 rl_key("fixed", ident, lim=5, window_ms=60000),
                 rl_key("token_bucket", ident, lim=5, window_ms=60000, burst=7),
-                rl_key("sliding", ident, policy=policy)):
+                rl_key("sliding", ident, policy=policy, lim=5, window_ms=60000)):
         assert shared_redis.command("EXISTS", key) == 1, key
     assert shared_redis.command("HGET", rl_key("fixed", odd, lim=5, window_ms=60000), "n") == "1"
 
@@ -887,7 +888,7 @@ def test_script_flush_before_a_large_batch_under_deny(redis_factory, policies):
         assert error_count(r, "NOSCRIPT") > noscript_before  # the path was taken
         assert r.command("DBSIZE") == n + 1
         for i in (1, 2, n // 2, n - 1, n):
-            key = rl_key("fixed", "%s:%d" % (base, i), policy=policy)
+            key = rl_key("fixed", "%s:%d" % (base, i), policy=policy, lim=1000000, window_ms=3600000)
             assert r.command("HGET", key, "n") == "1", i
     finally:
         conn.close()

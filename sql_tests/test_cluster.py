@@ -310,11 +310,12 @@ def test_policies_check_and_check_all(sessions, policies, redis_cluster):
         assert conn.execute("SELECT rl_allow(%s, %s)", (p_sliding, identity)).fetchone()[0] is False
         assert conn.execute("SELECT rl_allow_all(%s, %s, 0)", ([p_fixed, p_sliding, p_bucket], identity)
                             ).fetchone()[0] is True
-        for alg, pol in (("fixed", p_fixed), ("sliding", p_sliding), ("token_bucket", p_bucket)):
-            assert holders(redis_cluster, rl_key(alg, identity, policy=pol)) == [where[identity]]
+        for alg, pol, numbers in (("fixed", p_fixed, (3, 60000)), ("sliding", p_sliding, (5, 60000)),
+                                  ("token_bucket", p_bucket, (4, 60000, 4))):
+            assert holders(redis_cluster, rl_key(alg, identity, pol, *numbers)) == [where[identity]]
         m = where[identity]
-        assert m.command("HGET", rl_key("fixed", identity, policy=p_fixed), "n") == "3"
-        assert m.command("ZCARD", rl_key("sliding", identity, policy=p_sliding)) == 5
+        assert m.command("HGET", rl_key("fixed", identity, p_fixed, 3, 60000), "n") == "3"
+        assert m.command("ZCARD", rl_key("sliding", identity, p_sliding, 5, 60000)) == 5
 
 
 def test_concurrency_slots_across_masters(sessions, redis_cluster):
@@ -356,7 +357,7 @@ def test_row_guard_across_masters(sessions, policies, tables, redis_cluster):
         state, msg = sqlstate_of(conn, "INSERT INTO %s (tenant) VALUES (%%s)" % table, (t,))
         assert state == "PT429" and t in msg, msg
         assert remaining(conn, policy, t) == 0
-        key = rl_key("fixed", t, policy=policy)
+        key = rl_key("fixed", t, policy=policy, lim=3, window_ms=60000)
         assert holders(redis_cluster, key) == [where[t]]
         assert where[t].command("HGET", key, "n") == "3"
     assert conn.execute("SELECT count(*) FROM %s" % table).fetchone()[0] == 3 * len(tenants)
@@ -376,7 +377,7 @@ def test_statement_guard_across_masters(sessions, policies, tables, redis_cluste
     for k, t in enumerate(tenants):
         charged = 2 * (1 + k % 5)
         assert remaining(conn, policy, t) == 10 - charged, t
-        key = rl_key("fixed", t, policy=policy)
+        key = rl_key("fixed", t, policy=policy, lim=10, window_ms=60000)
         assert holders(redis_cluster, key) == [where[t]]
         assert where[t].command("HGET", key, "n") == str(charged)
 
@@ -457,7 +458,7 @@ def test_statement_guard_timeout_waits_for_every_slot(sessions, policies, tables
         left = {t: remaining(conn, policy, t) for t in tenants}
         assert left == dict.fromkeys(tenants, lim), (run, paused, left)
         for t in tenants:
-            key = rl_key("fixed", t, policy=policy)
+            key = rl_key("fixed", t, policy=policy, lim=lim, window_ms=60000)
             assert where[t].command("HGET", key, "n") in (None, "0"), (run, t, where[t])
     assert conn.execute("SELECT count(*) FROM %s" % table).fetchone()[0] == 0
 
@@ -634,7 +635,7 @@ def test_rl_reset_deletes_on_the_identity_node(sessions, policies, redis_cluster
         assert check(conn, policy, i, 4)[0] is True
     for i in idents:
         keys = [rl_key(alg, i, lim=5, window_ms=60000) for alg in ALGORITHMS] + \
-               [rl_key("token_bucket", i, policy=policy)]
+               [rl_key("token_bucket", i, policy=policy, lim=5, window_ms=60000)]
         assert all(holders(redis_cluster, k) == [where[i]] for k in keys)
         conn.execute("SELECT rl_reset(%s)", (i,))
         assert [k for k in keys if holders(redis_cluster, k)] == []
@@ -807,7 +808,8 @@ def test_live_migration_under_load(sessions, policies, redis_cluster):
         assert dst.command("ZCARD", rl_key("sliding", identity, lim=10000, window_ms=LONG_WINDOW_MS)) \
             == n["sliding"], identity
         for p in (p1, p2):
-            assert dst.command("HGET", rl_key("fixed", identity, policy=p), "n") == str(n["all"]), identity
+            assert dst.command("HGET", rl_key("fixed", identity, p, BIG_LIM, HUGE_WINDOW_MS), "n") \
+                == str(n["all"]), identity
     assert src.command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
 
 

@@ -823,7 +823,7 @@ def test_refund_that_gets_tryagain_arrives_after_the_migration(session, policies
                    refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS, on_error="error", command_timeout=3000)
     notices = []
     conn.add_notice_handler(lambda d: notices.append("%s: %s" % (d.severity, d.message_primary)))
-    k1, k2 = rl_key("fixed", identity, policy=p1), rl_key("fixed", identity, policy=p2)
+    k1, k2 = (rl_key("fixed", identity, p, lim, 60000) for p in (p1, p2))
     check = "SELECT (r).allowed, (r).remaining FROM rl_check(%s, %s, %s) AS r"
 
     conn.execute("BEGIN")

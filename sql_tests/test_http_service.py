@@ -819,7 +819,7 @@ def test_policy(service, policies, shared_redis):
     for i, resp in enumerate(got[:3]):
         check_allowed(resp, 3, 2 - i, 60, name=policy)
     check_denied(got[3], 3, 60, name=policy)
-    assert shared_redis.command("ZCARD", rl_key("sliding", identity, policy=policy)) == 3
+    assert shared_redis.command("ZCARD", rl_key("sliding", identity, policy=policy, lim=3, window_ms=60000)) == 3
 
     bucket = policies("token_bucket", 10, 60000, 20)
     resp = service.post(POLICY, {"identity": identity, "policy": bucket, "cost": 15})

@@ -408,7 +408,8 @@ class Acquirer:
             self.policy = objs.policy("concurrency", lim, LEASE_MS)
             self.query = "SELECT pg_backend_pid(), (rl_acquire(%s, %s)).allowed"
             self.params = (self.policy, self.identity)
-            self.key = rl_key("concurrency", self.identity, policy=self.policy, prefix=bouncer.prefix)
+            self.key = rl_key("concurrency", self.identity, policy=self.policy, lim=lim,
+                              window_ms=LEASE_MS, prefix=bouncer.prefix)
         else:
             self.user = "postgres"
             self.policy = None
@@ -474,8 +475,8 @@ def test_tx_pool_policy_decisions_exact_ordinary_role(bouncer, objs, shared_redi
     assert r == (False, lim, 0, True)
     assert one(c, "SELECT current_user, current_setting('rl_redis.key_prefix')") == (bouncer.role, bouncer.prefix)
     # the counter lives under the role's prefix, nothing under the default one
-    assert shared_redis.command("ZCARD", rl_key("sliding", identity, policy=pol, prefix=bouncer.prefix)) == lim
-    assert shared_redis.command("EXISTS", rl_key("sliding", identity, policy=pol)) == 0
+    assert shared_redis.command("ZCARD", rl_key("sliding", identity, pol, lim, LONG_WINDOW_MS, prefix=bouncer.prefix)) == lim
+    assert shared_redis.command("EXISTS", rl_key("sliding", identity, pol, lim, LONG_WINDOW_MS)) == 0
 
     for query, params in [
         ("SELECT rl_sliding_allow(%s, 5, 60000)", (identity,)),
@@ -488,14 +489,15 @@ def test_tx_pool_policy_decisions_exact_ordinary_role(bouncer, objs, shared_redi
     # and the server connection is usable for the next client statement
     assert one(c, "SELECT (rl_check(%s, %s, 0)).remaining", (pol, identity)) == (0,)
 
-    # a policy change reaches every pooled server connection: 5 more, exactly
+    # a policy change reaches every pooled server connection: a fresh count
+    # under the new numbers, exactly lim + 5
     objs.pg.execute("UPDATE rl_policy SET lim = %s WHERE name = %s", (lim + 5, pol))
     allowed, pids = interleave(
         lambda: bouncer.connect("rl_tx", user=bouncer.role),
         "rl_allow(%s, %s)",
         (pol, identity),
     )
-    assert allowed == 5
+    assert allowed == lim + 5
     assert len(pids) == POOL_SIZE
 
 
@@ -694,7 +696,7 @@ def test_tx_pool_guard_refund_on_rollback(bouncer, objs, shared_redis):
     assert exc.value.sqlstate == "PT429"
     assert one(b, sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))) == (3,)
     assert shared_redis.command(
-        "HGET", rl_key("fixed", tenant, policy=pol, prefix=bouncer.prefix), "n") == "3"
+        "HGET", rl_key("fixed", tenant, pol, 3, HUGE_WINDOW_MS, prefix=bouncer.prefix), "n") == "3"
 
 
 def test_tx_pool_set_local_applies_to_one_transaction(bouncer):

@@ -1376,7 +1376,7 @@ def test_worker_killed_under_load(clusters):
     assert errors == [], errors
     allowed = sum(s["allowed"] for s in stats)
     fallback = sum(s["fallback"] for s in stats)
-    counted = int(redis.command("HGET", rl_key("fixed", ident, policy="load"), "n"))
+    counted = int(redis.command("HGET", rl_key("fixed", ident, "load", lim, CENTURY_MS), "n"))
     assert counted == lim
     assert allowed <= lim, stats
     assert allowed + fallback >= lim, stats

@@ -324,7 +324,7 @@ def test_error_reply_counts_errors_reply(pg, policies, shared_redis):
     """WRONGTYPE at the decision's key: an error reply of Redis (08000)."""
     policy = policies("fixed", 5, 60000)
     ident = new_ident("stwrong")
-    assert int(shared_redis.cli("RPUSH", rl_key("fixed", ident, policy=policy), "x")) == 1
+    assert int(shared_redis.cli("RPUSH", rl_key("fixed", ident, policy, 5, 60000), "x")) == 1
     with pg_connect() as conn:
         set_gucs(conn, on_error="error", retry_interval=0)
         assert sqlstate_of(conn, "SELECT rl_allow(%s, %s)", (policy, ident)) == "08000"
@@ -365,7 +365,7 @@ def test_error_replies_are_not_outages(pg, policies, shared_redis):
     connection is not failing), so it begins no outage."""
     wrong = policies("fixed", 5, 60000)
     ident = new_ident("stwrong")
-    shared_redis.cli("RPUSH", rl_key("fixed", ident, policy=wrong), "x")
+    shared_redis.cli("RPUSH", rl_key("fixed", ident, wrong, 5, 60000), "x")
     with pg_connect() as conn:
         set_gucs(conn, on_error="allow", retry_interval=5000)
         for _ in range(3):

@@ -204,11 +204,11 @@ rl_concurrency_init(void)
 }
 
 /*
- * Takes a slot of lim with a lease of lease_ms for identity, on the key of
- * policy (NULL: the explicit limit's), and fills d.
+ * Takes a slot of limit (lim slots, a lease of window_ms) for identity, on
+ * the key of policy (NULL: the explicit limit's), and fills d.
  */
 static void
-rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
+rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 			 RlDecision *d)
 {
 	StringInfo	key;
@@ -216,8 +216,7 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	char		token[64];
 	char		lim_s[16],
 				lease_s[24],
-				now_s[24],
-				suffix[64];
+				now_s[24];
 	const char *argv[8];
 	size_t		argvlen[8];
 	RlConn	   *conn;
@@ -227,29 +226,26 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 	MemoryContext old;
 	TimestampTz start;
 
-	if (lease_ms > rl_max_lease)
+	if (limit->window_ms > rl_max_lease)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("lease_ms " INT64_FORMAT " is longer than rl_redis.max_lease (%d ms)",
-						lease_ms, rl_max_lease),
+						limit->window_ms, rl_max_lease),
 				 errdetail("A slot whose holder never gives it back stays taken for its whole lease.")));
 
 	/* unique across backends, servers and calls */
 	snprintf(token, sizeof(token), "%d:" INT64_FORMAT ":" UINT64_FORMAT ":%08x",
 			 MyProcPid, (int64) MyStartTimestamp, ++slot_counter,
 			 (unsigned int) pg_prng_uint32(&pg_global_prng_state));
-	if (policy == NULL)
-		snprintf(suffix, sizeof(suffix), "%d/" INT64_FORMAT, lim, lease_ms);
-
-	key = rl_build_key("concurrency", identity, policy ? policy : suffix);
+	key = rl_build_key(identity, policy, limit);
 	argv[2] = "1";
 	argvlen[2] = 1;
 	argv[3] = key->data;
 	argvlen[3] = key->len;
 	argv[4] = lim_s;
-	argvlen[4] = pg_ltoa(lim, lim_s);
+	argvlen[4] = pg_ltoa(limit->lim, lim_s);
 	argv[5] = lease_s;
-	argvlen[5] = pg_lltoa(lease_ms, lease_s);
+	argvlen[5] = pg_lltoa(limit->window_ms, lease_s);
 	argv[6] = token;
 	argvlen[6] = strlen(token);
 	argv[7] = now_s;
@@ -279,7 +275,7 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 		/* Redis may have given the slot before the call failed: give it back */
 		rl_release_asking();
 		rl_stats_failed(key->data, key->len, &failure, true);
-		rl_apply_on_error(&failure, lim, 1, d);
+		rl_apply_on_error(&failure, limit->lim, 1, d);
 		rl_stats_decided(key->data, key->len, d, 1, 0);
 		return;
 	}
@@ -303,8 +299,7 @@ static void
 rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 {
 	text	   *identity = rl_get_identity(fcinfo, 0);
-	int32		lim;
-	int64		lease_ms;
+	RlLimit		limit = {NULL, 0, 0, 0};
 
 	if (PG_ARGISNULL(1))
 		ereport(ERROR,
@@ -314,17 +309,17 @@ rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("lease_ms must not be null")));
-	lim = PG_GETARG_INT32(1);
-	lease_ms = PG_GETARG_INT64(2);
-	if (lim <= 0)
+	limit.lim = PG_GETARG_INT32(1);
+	limit.window_ms = PG_GETARG_INT64(2);
+	if (limit.lim <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("lim must be greater than zero")));
-	if (lease_ms <= 0)
+	if (limit.window_ms <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("lease_ms must be greater than zero")));
-	rl_take_slot(NULL, identity, lim, lease_ms, d);
+	rl_take_slot(NULL, identity, &limit, d);
 }
 
 /* Takes a slot for the arguments (policy, identity). */
@@ -340,8 +335,7 @@ rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
 				 errmsg("policy \"%s\" is a rate limit, not a concurrency limit",
 						policy.name),
 				 errhint("Decide with rl_check().")));
-	rl_take_slot(policy.name, identity, policy.limit.lim,
-				 policy.limit.window_ms, d);
+	rl_take_slot(policy.name, identity, &policy.limit, d);
 }
 
 /*

@@ -146,19 +146,56 @@ rl_check_limit(const RlLimit *limit)
 }
 
 /*
- * Builds <key_prefix><kind>:{<identity>}[:<suffix>] in a buffer that the
- * next call reuses. The braces make every key of one identity hash to the
- * same Redis Cluster slot; inside them '%', '{' and '}' are percent-encoded,
- * so that the hash tag is never empty and never ends early, and two
- * identities never share a key.
+ * The one format of rl_redis's keys, built, parsed and matched here alone:
+ *
+ *   <key_prefix><kind>:{<identity>}:<lim>/<window_ms>[/<burst>]
+ *   <key_prefix><kind>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
+ *
+ * the first for explicit arguments, the second for a policy. kind is the
+ * algorithm, or "concurrency" (window_ms is then the lease; no burst).
+ * Every key carries the numbers it counts under, so two limits, or two
+ * definitions of one policy (another database's, or the same one's before
+ * its owner changed it), never count on one key. The braces make every key
+ * of one identity hash to the same Redis Cluster slot; inside them '%', '{'
+ * and '}' are percent-encoded, so that the hash tag is never empty and never
+ * ends early, and two identities never share a key. A policy name holds no
+ * '/' (rl_policy's CHECK), so the numbers are what follows the suffix's last
+ * ':'. Keys of earlier releases, which rl_reset still deletes:
+ * <key_prefix><kind>:{<identity>}:<policy> (policies, 1.1 to 1.5 as first
+ * released) and <key_prefix><kind>:{<identity>} (1.2).
  */
-StringInfo
-rl_build_key(const char *kind, text *identity, const char *suffix)
+
+/* Appends <key_prefix><kind>:{<encoded identity>} to buf. */
+static void
+rl_append_key_head(StringInfo buf, const char *kind, text *identity)
 {
 	const char *p = VARDATA_ANY(identity);
 	const char *end = p + VARSIZE_ANY_EXHDR(identity);
 	const char *run = p;
 
+	appendStringInfoString(buf, rl_key_prefix);
+	appendStringInfoString(buf, kind);
+	appendBinaryStringInfo(buf, ":{", 2);
+	for (; p < end; p++)
+	{
+		if (*p != '%' && *p != '{' && *p != '}')
+			continue;
+		appendBinaryStringInfo(buf, run, p - run);
+		appendStringInfoString(buf, *p == '%' ? "%25" : *p == '{' ? "%7B" : "%7D");
+		run = p + 1;
+	}
+	appendBinaryStringInfo(buf, run, end - run);
+	appendStringInfoChar(buf, '}');
+}
+
+/*
+ * Builds the key of limit (a concurrency limit when limit->algorithm is
+ * NULL) for identity, of policy when not NULL, in a buffer that the next
+ * call reuses.
+ */
+StringInfo
+rl_build_key(text *identity, const char *policy, const RlLimit *limit)
+{
 	if (keybuf.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
@@ -174,42 +211,126 @@ rl_build_key(const char *kind, text *identity, const char *suffix)
 		keybuf.maxlen = 1024;
 	}
 	resetStringInfo(&keybuf);
-	appendStringInfoString(&keybuf, rl_key_prefix);
-	appendStringInfoString(&keybuf, kind);
-	appendBinaryStringInfo(&keybuf, ":{", 2);
-	for (; p < end; p++)
-	{
-		if (*p != '%' && *p != '{' && *p != '}')
-			continue;
-		appendBinaryStringInfo(&keybuf, run, p - run);
-		appendStringInfoString(&keybuf, *p == '%' ? "%25" : *p == '{' ? "%7B" : "%7D");
-		run = p + 1;
-	}
-	appendBinaryStringInfo(&keybuf, run, end - run);
-	appendStringInfoChar(&keybuf, '}');
-	if (suffix != NULL)
-	{
-		appendStringInfoChar(&keybuf, ':');
-		appendStringInfoString(&keybuf, suffix);
-	}
+	rl_append_key_head(&keybuf, limit->algorithm ? limit->algorithm->name :
+					   "concurrency", identity);
+	appendStringInfoChar(&keybuf, ':');
+	if (policy != NULL)
+		appendStringInfo(&keybuf, "%s:", policy);
+	appendStringInfo(&keybuf, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
+	if (limit->burst > 0)
+		appendStringInfo(&keybuf, "/%d", limit->burst);
 	return &keybuf;
 }
 
 /*
- * Writes the key suffix of an explicit limit, "<lim>/<window_ms>[/<burst>]",
- * into buf (at least 64 bytes) and returns it: two limits on one identity
- * are two counters.
+ * Fills parts from key, one of rl_redis's keys under rl_redis.key_prefix,
+ * of this version or an earlier one; false when key is not one (another
+ * application's, or under a longer prefix). parts->policy is NULL for
+ * explicit arguments; a key of an earlier version counts as a policy's,
+ * its whole suffix the name.
  */
-const char *
-rl_limit_suffix(const RlLimit *limit, char *buf)
+bool
+rl_parse_key(const char *key, size_t len, RlKeyParts *parts)
 {
-	if (limit->burst > 0)
-		snprintf(buf, 64, "%d/" INT64_FORMAT "/%d", limit->lim,
-				 limit->window_ms, limit->burst);
-	else
-		snprintf(buf, 64, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
-	return buf;
+	size_t		prefix_len = strlen(rl_key_prefix);
+	const char *p;
+	const char *end = key + len;
+	const char *close;
+	const char *last_colon = NULL;
+	bool		numbers = false;
+	int			i;
+
+	if (len < prefix_len || memcmp(key, rl_key_prefix, prefix_len) != 0)
+		return false;
+	p = key + prefix_len;
+	parts->kind = NULL;
+	for (i = -1; i < RL_NUM_ALGORITHMS && parts->kind == NULL; i++)
+	{
+		const char *kind = i < 0 ? "concurrency" : rl_algorithms[i].name;
+		size_t		kindlen = strlen(kind);
+
+		if ((size_t) (end - p) > kindlen + 1 && memcmp(p, kind, kindlen) == 0 &&
+			p[kindlen] == ':' && p[kindlen + 1] == '{')
+		{
+			parts->kind = kind;
+			p += kindlen + 1;
+		}
+	}
+	if (parts->kind == NULL)
+		return false;
+	close = memchr(p, '}', end - p);
+	if (close == NULL)
+		return false;
+	parts->tag = p;
+	parts->taglen = close + 1 - p;
+	parts->policy = NULL;
+	parts->policylen = 0;
+	if (close + 1 == end)
+		return true;			/* 1.2 */
+	if (close[1] != ':')
+		return false;
+	for (p = close + 2; p < end; p++)
+	{
+		if (*p == ':')
+			last_colon = p;
+		else if (*p == '/')
+			numbers = true;
+	}
+	if (!numbers)
+	{
+		parts->policy = close + 2;	/* a policy's key without its numbers */
+		parts->policylen = end - parts->policy;
+	}
+	else if (last_colon != NULL)
+	{
+		parts->policy = close + 2;
+		parts->policylen = last_colon - parts->policy;
+	}
+	return true;
 }
+
+/*
+ * Fills pattern with the SCAN pattern of every key of identity
+ * (<key_prefix>*:{<identity>}*, its own glob characters escaped; it also
+ * matches other applications' keys and longer prefixes) and tag with the
+ * identity's braces part, "{<encoded identity>}", for rl_key_of.
+ */
+void
+rl_identity_keys(text *identity, StringInfo pattern, StringInfo tag)
+{
+	StringInfoData head;
+	int			prefix_len = strlen(rl_key_prefix);
+	int			i;
+
+	initStringInfo(&head);
+	rl_append_key_head(&head, "", identity);
+	for (i = 0; i < head.len; i++)
+	{
+		if (i == prefix_len)
+			appendStringInfoString(pattern, "*");
+		if (strchr("*?[]\\", head.data[i]) != NULL)
+			appendStringInfoChar(pattern, '\\');
+		appendStringInfoChar(pattern, head.data[i]);
+	}
+	appendStringInfoChar(pattern, '*');
+	appendBinaryStringInfo(tag, head.data + prefix_len + 1,
+						   head.len - prefix_len - 1);
+	pfree(head.data);
+}
+
+/*
+ * True when key is one of rl_redis's keys (rl_parse_key), of any version,
+ * of the identity whose braces part is tag (rl_identity_keys).
+ */
+bool
+rl_key_of(const char *key, size_t len, StringInfo tag)
+{
+	RlKeyParts	parts;
+
+	return rl_parse_key(key, len, &parts) && parts.taglen == (size_t) tag->len &&
+		memcmp(parts.tag, tag->data, tag->len) == 0;
+}
+
 /* Raises a failure as an error. */
 void
 rl_raise(const RlFailure *failure)
@@ -714,10 +835,8 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 				window_s[24],
 				cost_s[16],
 				burst_s[16],
-				now_s[24],
-				suffix[64];
-	StringInfo	key = rl_build_key(limit->algorithm->name, identity,
-								   policy ? policy : rl_limit_suffix(limit, suffix));
+				now_s[24];
+	StringInfo	key = rl_build_key(identity, policy, limit);
 	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
 	const char *scopes = cost > 0 ? rl_refund_scopes(by) : "";
 	TimestampTz start;
@@ -805,7 +924,7 @@ typedef struct RlBatch
 	const RlLimit *limit;
 	int32		cost;
 	RlBatchKey *keys;			/* by slot in cluster mode, else in order */
-	const char *suffix;			/* of every key: the policy or the limit */
+	const char *policy;			/* of every key, NULL for the limit's */
 	/* the keys of the round being sent: keys[round_from + j] is round_key[j] */
 	int			round_from;
 	StringInfoData round_buf;
@@ -1005,9 +1124,8 @@ rl_batch_round(RlBatch *b, int from, int n)
 	resetStringInfo(&b->round_buf);
 	for (j = 0; j < nkeys; j++)
 	{
-		StringInfo	key = rl_build_key(b->limit->algorithm->name,
-									   b->identities[b->keys[b->round_from + j].index],
-									   b->suffix);
+		StringInfo	key = rl_build_key(b->identities[b->keys[b->round_from + j].index],
+									   b->policy, b->limit);
 
 		offsets[j] = b->round_buf.len;
 		b->round_len[j] = key->len;
@@ -1069,9 +1187,9 @@ rl_batch_round(RlBatch *b, int from, int n)
 static size_t
 rl_batch_key_bytes(const RlBatch *b, int i)
 {
-	/* the identity escaped (at most three bytes each), prefix and suffix */
+	/* the identity escaped (at most three bytes each) and the rest of the key */
 	return 3 * (size_t) VARSIZE_ANY_EXHDR(b->identities[b->keys[i].index]) +
-		strlen(rl_key_prefix) + strlen(b->suffix) + 32;
+		strlen(rl_key_prefix) + (b->policy ? strlen(b->policy) : 0) + 96;
 }
 
 /* About the bytes the keys of call c of a batch take: at most this. */
@@ -1105,7 +1223,6 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 				const char *policy, int32 cost, RlDecision *d)
 {
 	RlBatch		b;
-	char		suffix[64];
 	const char *scopes = cost > 0 ? rl_refund_scopes(RL_BY_CALL) : "";
 	int			i,
 				j,
@@ -1116,7 +1233,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 	b.cost = cost;
 	b.d = d;
 	b.identities = identities;
-	b.suffix = policy ? policy : rl_limit_suffix(limit, suffix);
+	b.policy = policy;
 	b.keys = palloc(sizeof(RlBatchKey) * Max(n, 1));
 	b.bad = palloc0(sizeof(bool) * Max(n, 1));
 	if (policy != NULL && rl_track_denials && cost > 0)
@@ -1130,8 +1247,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		b.keys[i].slot = 0;
 		if (rl_mode == RL_MODE_CLUSTER)
 		{
-			StringInfo	key = rl_build_key(limit->algorithm->name,
-										   identities[i], b.suffix);
+			StringInfo	key = rl_build_key(identities[i], policy, limit);
 
 			b.keys[i].slot = rl_route_slot(key->data, key->len);
 		}
@@ -1217,8 +1333,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 
 			if (!b.bad[k->index])
 				continue;
-			key = rl_build_key(limit->algorithm->name, identities[k->index],
-							   b.suffix);
+			key = rl_build_key(identities[k->index], policy, limit);
 			rl_stats_failed(key->data, key->len, &b.failures[c], first_key);
 			rl_apply_on_error(&b.failures[c],
 							  limit->burst > 0 ? limit->burst : limit->lim,

@@ -138,58 +138,14 @@ rl_admin_command(RlConn *conn, int argc, const char **argv,
 	freeReplyObject(reply);
 }
 
-/* Appends s (len bytes) to buf with the glob characters of SCAN escaped. */
-static void
-rl_append_glob_escaped(StringInfo buf, const char *s, int len)
-{
-	int			i;
-
-	for (i = 0; i < len; i++)
-	{
-		if (strchr("*?[]\\", s[i]) != NULL)
-			appendStringInfoChar(buf, '\\');
-		appendStringInfoChar(buf, s[i]);
-	}
-}
-
-/*
- * True when key is one of rl_redis's keys of the identity whose braces part
- * is tag ("{<encoded identity>}"): <prefix><kind>:<tag> or
- * <prefix><kind>:<tag>:<suffix>, kind an algorithm or "concurrency". (SCAN's
- * pattern also matches other applications' keys and longer prefixes.)
- */
-static bool
-rl_reset_owns(const char *key, size_t len, const char *tag, size_t taglen)
-{
-	size_t		prefix_len = strlen(rl_key_prefix);
-	int			i;
-
-	if (len < prefix_len || memcmp(key, rl_key_prefix, prefix_len) != 0)
-		return false;
-	key += prefix_len;
-	len -= prefix_len;
-	for (i = -1; i < RL_NUM_ALGORITHMS; i++)
-	{
-		const char *kind = i < 0 ? "concurrency" : rl_algorithms[i].name;
-		size_t		kindlen = strlen(kind);
-
-		if (len >= kindlen + 1 + taglen &&
-			memcmp(key, kind, kindlen) == 0 && key[kindlen] == ':' &&
-			memcmp(key + kindlen + 1, tag, taglen) == 0 &&
-			(len == kindlen + 1 + taglen || key[kindlen + 1 + taglen] == ':'))
-			return true;
-	}
-	return false;
-}
-
 /*
  * Sends one SCAN step on conn for pattern from cursor and DELetes the keys it
- * returns that belong to the identity (tag, see rl_reset_owns); returns the
+ * returns that belong to the identity (tag, see rl_key_of); returns the
  * next cursor ("0" when done) in cursor.
  */
 static void
-rl_reset_step(RlConn *conn, StringInfo pattern, const char *tag,
-			  size_t taglen, char *cursor, size_t cursorsize)
+rl_reset_step(RlConn *conn, StringInfo pattern, StringInfo tag,
+			  char *cursor, size_t cursorsize)
 {
 	int			ndel = 1;
 	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
@@ -240,7 +196,7 @@ rl_reset_step(RlConn *conn, StringInfo pattern, const char *tag,
 						 errmsg("unexpected reply to SCAN from Redis at %s",
 								rl_conn_name(conn))));
 			}
-			if (!rl_reset_owns(k->str, k->len, tag, taglen))
+			if (!rl_key_of(k->str, k->len, tag))
 				continue;
 			del[ndel] = k->str;
 			dellen[ndel++] = k->len;
@@ -275,14 +231,13 @@ Datum
 rl_reset(PG_FUNCTION_ARGS)
 {
 	text	   *identity = rl_get_identity(fcinfo, 0);
-	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
 	RlFailure	failure;
 	RlConn	  **conns;
 	int			n;
 	int			i;
 	StringInfoData pattern;
+	StringInfoData tag;
 	char		cursor[32] = "0";
-	int			prefix_len = strlen(rl_key_prefix);
 
 	/*
 	 * In cluster mode every master is scanned: the keys of the identity
@@ -293,25 +248,21 @@ rl_reset(PG_FUNCTION_ARGS)
 	n = rl_route_all(&conns, &failure);
 	if (n < 0)
 		rl_raise(&failure);
-	/* <prefix>*:{<identity>}* with the key's own bytes escaped */
 	initStringInfo(&pattern);
-	rl_append_glob_escaped(&pattern, key->data, prefix_len);
-	appendStringInfoString(&pattern, "*:");
-	rl_append_glob_escaped(&pattern, key->data + prefix_len + 1,
-						   key->len - prefix_len - 1);
-	appendStringInfoChar(&pattern, '*');
+	initStringInfo(&tag);
+	rl_identity_keys(identity, &pattern, &tag);
 	for (i = 0; i < n; i++)
 	{
 		strcpy(cursor, "0");
 		do
 		{
 			CHECK_FOR_INTERRUPTS();
-			rl_reset_step(conns[i], &pattern, key->data + prefix_len + 1,
-						  key->len - prefix_len - 1, cursor, sizeof(cursor));
+			rl_reset_step(conns[i], &pattern, &tag, cursor, sizeof(cursor));
 		} while (strcmp(cursor, "0") != 0);
 	}
 	rl_deny_cache_forget();
 	pfree(pattern.data);
+	pfree(tag.data);
 	PG_RETURN_VOID();
 }
 

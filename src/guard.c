@@ -677,7 +677,6 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	RlGroup    *group;
 	RlGroup   **list;
 	RlCharge   *charges;
-	char		suffix[64];
 	int			n = 0;
 	int			readptr;
 	int			worst;
@@ -761,11 +760,9 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 				continue;
 			list[n] = group;
 			charges[n].limit = &guard->limit;
-			charges[n].key = rl_copy_key(rl_build_key(guard->limit.algorithm->name,
-													  cstring_to_text_with_len(group->identity,
-																			   group->len),
-													  guard->policy ? guard->policy :
-													  rl_limit_suffix(&guard->limit, suffix)));
+			charges[n].key = rl_copy_key(rl_build_key(cstring_to_text_with_len(group->identity,
+																				group->len),
+													  guard->policy, &guard->limit));
 			charges[n].cost = (int32) group->units;
 			n++;
 		}

@@ -3,8 +3,10 @@
  *	  Named policies (the rl_policy table) and several limits at once.
  *
  * A policy names an algorithm and its numbers; rl_check(policy, identity)
- * decides with them, on a key of its own:
- *   <key_prefix><algorithm>:{<identity>}:<policy>
+ * decides with them, on a key of its own that carries them (rl_build_key):
+ *   <key_prefix><algorithm>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
+ * so a change of the numbers, or another database's policy of the same
+ * name, counts on another key.
  * Policies are read from rl_policy once and cached per backend. A trigger on
  * the table sends a relcache invalidation for it on every change. Every
  * lookup first takes in the invalidations that have arrived, and reads the
@@ -383,8 +385,8 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 	for (j = 0; j < npolicies; j++)
 	{
 		charges[j].limit = &policies[j].limit;
-		charges[j].key = rl_copy_key(rl_build_key(policies[j].limit.algorithm->name,
-												  identity, policies[j].name));
+		charges[j].key = rl_copy_key(rl_build_key(identity, policies[j].name,
+												  &policies[j].limit));
 		charges[j].cost = cost;
 	}
 	if (!rl_decide_many(charges, npolicies, false, d, &worst, &failure))

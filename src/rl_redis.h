@@ -530,9 +530,22 @@ struct RlLimit
 	int32		burst;			/* 0 when none */
 };
 
-extern StringInfo rl_build_key(const char *kind, text *identity,
-							   const char *suffix);
-extern const char *rl_limit_suffix(const RlLimit *limit, char *buf);
+/* What rl_parse_key finds in a key (pointers into the key). */
+typedef struct RlKeyParts
+{
+	const char *kind;			/* the algorithm or "concurrency" */
+	const char *tag;			/* "{<encoded identity>}" */
+	size_t		taglen;
+	const char *policy;			/* NULL for explicit arguments */
+	size_t		policylen;
+} RlKeyParts;
+
+extern StringInfo rl_build_key(text *identity, const char *policy,
+							   const RlLimit *limit);
+extern bool rl_parse_key(const char *key, size_t len, RlKeyParts *parts);
+extern void rl_identity_keys(text *identity, StringInfo pattern,
+							 StringInfo tag);
+extern bool rl_key_of(const char *key, size_t len, StringInfo tag);
 extern StringInfo rl_copy_key(StringInfo key);
 extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 							  const char *name);

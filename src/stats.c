@@ -10,11 +10,10 @@
  * lock on the table. Without preloading each backend counts for itself,
  * and rl_redis_stats says so (scope 'backend').
  *
- * A call is counted by the key it decided on (<prefix><kind>:{<identity>}:
- * <policy or lim/window_ms...>): the kind is the algorithm (or
- * "concurrency"), the part after the identity a policy's name, or explicit
- * arguments when it holds a '/'. calls = allowed + denied + errors; an
- * error that rl_redis.on_error turned into a decision is also counted in
+ * A call is counted by the key it decided on (rl_parse_key): by its kind,
+ * the algorithm (or "concurrency"), and its policy's name ("" for explicit
+ * arguments). calls = allowed + denied + errors; an error that
+ * rl_redis.on_error turned into a decision is also counted in
  * fallback_allow or fallback_deny.
  */
 #include "postgres.h"
@@ -128,33 +127,21 @@ rl_stats_init(void)
 }
 
 /*
- * Fills k from a decision's key: false when the key is not of the form
- * <prefix><kind>:{<identity>}:<suffix>.
+ * Fills k from a decision's key (rl_parse_key): false when the key is not
+ * one of rl_redis's.
  */
 static bool
 rl_stats_key(const char *key, size_t len, RlStatsKey *k)
 {
-	size_t		prefix_len = strlen(rl_key_prefix);
-	const char *p = key + prefix_len;
-	const char *end = key + len;
-	const char *colon;
-	const char *close;
+	RlKeyParts	parts;
 
 	memset(k, 0, sizeof(*k));
 	k->dbid = MyDatabaseId;
-	if (len < prefix_len || memcmp(key, rl_key_prefix, prefix_len) != 0)
+	if (!rl_parse_key(key, len, &parts))
 		return false;
-	colon = memchr(p, ':', end - p);
-	if (colon == NULL || colon - p >= (ptrdiff_t) sizeof(k->kind) ||
-		colon + 1 >= end || colon[1] != '{')
-		return false;
-	memcpy(k->kind, p, colon - p);
-	close = memchr(colon, '}', end - colon);
-	if (close == NULL || close + 1 >= end || close[1] != ':')
-		return false;
-	p = close + 2;
-	if (memchr(p, '/', end - p) == NULL && end - p < (ptrdiff_t) sizeof(k->name))
-		memcpy(k->name, p, end - p);
+	strlcpy(k->kind, parts.kind, sizeof(k->kind));
+	if (parts.policy != NULL && parts.policylen < sizeof(k->name))
+		memcpy(k->name, parts.policy, parts.policylen);
 	return true;
 }
 

@@ -1,0 +1,313 @@
+"""Policy keys carry the numbers they count under (issue 19, finding 1).
+
+Databases (or servers) that share a Redis and rl_redis.key_prefix may each
+define a policy of one name with other numbers. Up to 1.5 the key of a
+policy was <prefix><algorithm>:{<identity>}:<policy>, so both counted on
+one key, each under its own numbers: an ordinary role that called through
+both in turn reset the count of the other (30 of 30 allowed under "5 per
+60 s"). A policy's key is now
+
+    <prefix><algorithm>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
+    <prefix>concurrency:{<identity>}:<policy>:<lim>/<lease_ms>
+
+so each set of numbers counts on a key of its own, on every path
+(rl_check, rl_check_many, rl_check_all, row and statement guards,
+rl_acquire, refunds), and a change of a policy's numbers starts a fresh
+count under the new ones.
+
+The calls come from an ordinary role (SET ROLE from a superuser session,
+which sets the test clock between steps; rl_redis.test_clock_ms is
+superuser-only).
+"""
+
+import uuid
+
+from psycopg import sql
+import pytest
+
+from conftest import new_ident, pg_connect, rl_key, set_gucs
+
+# a test clock on a whole minute, not on a multiple of 7 s
+BASE_CLOCK_MS = 1000000020000
+
+# per algorithm: the calling database's numbers and the other database's
+# (lim, window_ms, burst) for the same policy name
+NUMBERS = {
+    "fixed": ((5, 60000, None), (5, 7000, None)),
+    "sliding": ((5, 60000, None), (5, 7000, None)),
+    "sliding_counter": ((5, 60000, None), (5, 7000, None)),
+    "token_bucket": ((5, 60000, None), (5, 7000, 8)),
+    "gcra": ((5, 60000, None), (5, 7000, 8)),
+}
+
+
+def uid():
+    return uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(scope="module")
+def role():
+    """An ordinary role, no privileges beyond PUBLIC's."""
+    name = "rl_polkeys_%s" % uid()
+    with pg_connect() as pg:
+        pg.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+    yield name
+    with pg_connect() as pg:
+        pg.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
+        pg.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="module")
+def other_db():
+    """A second database of the test server with the extension, on the same
+    Redis and key prefix as the test database."""
+    name = "rl_polkeys_%s" % uid()
+    with pg_connect() as pg:
+        pg.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        with pg_connect(dbname=name) as conn:
+            conn.execute("CREATE EXTENSION rl_redis")
+        yield name
+    finally:
+        with pg_connect() as pg:
+            pg.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+class Caller:
+    """A session of the ordinary role in one database, on the test clock."""
+
+    def __init__(self, role, dbname=None):
+        self.role = role
+        self.conn = pg_connect(dbname=dbname) if dbname else pg_connect()
+
+    def at(self, clock_ms):
+        self.conn.execute("RESET ROLE")
+        set_gucs(self.conn, test_clock_ms=clock_ms)
+        self.conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(self.role)))
+
+    def allow(self, policy, identity):
+        return self.conn.execute("SELECT rl_allow(%s, %s)", (policy, identity)).fetchone()[0]
+
+    def close(self):
+        self.conn.close()
+
+
+@pytest.fixture
+def env(role, other_db):
+    """Makes policies of one name in both databases, and callers; removes
+    them at teardown."""
+
+    class Env:
+        def __init__(self):
+            self.here = pg_connect()
+            self.there = pg_connect(dbname=other_db)
+            self.callers = []
+            self.names = []
+
+        def policy(self, algorithm, mine, theirs):
+            name = new_ident("polkeys")
+            for conn, (lim, window_ms, burst) in ((self.here, mine), (self.there, theirs)):
+                conn.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst) "
+                             "VALUES (%s, %s, %s, %s, %s)", (name, algorithm, lim, window_ms, burst))
+            self.names.append(name)
+            return name
+
+        def caller(self, dbname=None):
+            c = Caller(role, dbname)
+            self.callers.append(c)
+            return c
+
+        def cleanup(self):
+            for c in self.callers:
+                c.close()
+            for conn in (self.here, self.there):
+                conn.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (self.names,))
+                conn.close()
+
+    e = Env()
+    try:
+        yield e
+    finally:
+        e.cleanup()
+
+
+def run(steps, policy, identity, here=None, there=None):
+    """Runs steps (clock_ms, calls here, calls there) on identity through
+    the callers given and returns the decisions (here's, there's)."""
+    mine, theirs = [], []
+    for clock, n_here, n_there in steps:
+        if there is not None:
+            there.at(clock)
+            theirs += [there.allow(policy, identity) for _ in range(n_there)]
+        if here is not None:
+            here.at(clock)
+            mine += [here.allow(policy, identity) for _ in range(n_here)]
+    return mine, theirs
+
+
+@pytest.mark.parametrize("algorithm", sorted(NUMBERS))
+def test_two_databases_same_policy_other_numbers(env, other_db, algorithm):
+    """One policy name, 5 per 60 s here and 5 per 7 s (burst 8 for the
+    bucket and GCRA) in the other database; an ordinary role calls through both in turn, every 8 s of the
+    test clock for 48 s. Each database decides exactly as it would alone:
+    the other's calls neither reset nor share its count (1.5 before the
+    fix: a fixed window allowed here all 21 calls of 21)."""
+    mine, theirs = NUMBERS[algorithm]
+    policy = env.policy(algorithm, mine, theirs)
+    here, there = env.caller(), env.caller(other_db)
+    steps = [(BASE_CLOCK_MS + k * 8000, 3, 2) for k in range(7)]
+
+    both = run(steps, policy, new_ident("polkeys_both"), here, there)
+    here_alone = run(steps, policy, new_ident("polkeys_here"), here=here)[0]
+    there_alone = run(steps, policy, new_ident("polkeys_there"), there=there)[1]
+    assert both == (here_alone, there_alone)
+    # 5 at once, 4 refilled in 48 s at most
+    assert sum(here_alone) <= 9
+
+
+def test_two_databases_same_concurrency_policy_other_numbers(env, other_db):
+    """A concurrency policy of one name: 2 slots (60 s lease) here, 3 slots
+    (30 s lease) in the other database. Slots held through one database
+    take none of the other's (1.5 before the fix: one sorted set for both,
+    so the other's three slots denied this database's second)."""
+    policy = env.policy("concurrency", (2, 60000, None), (3, 30000, None))
+    here, there = env.caller(), env.caller(other_db)
+
+    def acquire(c, identity, n):
+        return [c.conn.execute("SELECT rl_acquire_allow(%s, %s)", (policy, identity)).fetchone()[0]
+                for _ in range(n)]
+
+    def hold(identity, callers):
+        got = {}
+        for c in callers:
+            c.at(BASE_CLOCK_MS)
+            c.conn.execute("BEGIN")
+        try:
+            if here in callers:
+                got["here"] = acquire(here, identity, 1)
+            if there in callers:
+                got["there"] = acquire(there, identity, 4)
+            if here in callers:
+                got["here"] += acquire(here, identity, 2)
+        finally:
+            for c in callers:
+                c.conn.execute("COMMIT")
+        return got
+
+    both = hold(new_ident("polkeys_cc"), [here, there])
+    assert both == {"here": [True, True, False], "there": [True, True, True, False]}
+    assert hold(new_ident("polkeys_cc"), [here]) == {"here": both["here"]}
+    assert hold(new_ident("polkeys_cc"), [there]) == {"there": both["there"]}
+
+
+def test_changed_numbers_start_a_fresh_count(env, shared_redis):
+    """The owner changes a policy's numbers: the next call counts afresh
+    under the new ones, on their key; the state under the old numbers stays
+    until its expiry and counts again if the old numbers come back (1.5
+    before the fix: the old count went on under the new numbers)."""
+    policy = env.policy("fixed", (5, 60000, None), (5, 60000, None))
+    me = env.caller()
+    me.at(BASE_CLOCK_MS)
+    identity = new_ident("polkeys_change")
+    old_key = rl_key("fixed", identity, policy=policy, lim=5, window_ms=60000)
+    new_key = rl_key("fixed", identity, policy=policy, lim=8, window_ms=60000)
+
+    assert [me.allow(policy, identity) for _ in range(6)] == [True] * 5 + [False]
+    env.here.execute("UPDATE rl_policy SET lim = 8 WHERE name = %s", (policy,))
+    assert [me.allow(policy, identity) for _ in range(9)] == [True] * 8 + [False]
+    assert shared_redis.command("HGET", old_key, "n") == "5"
+    assert 0 < shared_redis.command("PTTL", old_key) <= 60000
+    assert shared_redis.command("HGET", new_key, "n") == "8"
+
+    env.here.execute("UPDATE rl_policy SET lim = 5 WHERE name = %s", (policy,))
+    assert me.allow(policy, identity) is False
+
+
+def keys_of(redis, identity):
+    return set(redis.command("KEYS", "rl:*{%s}*" % identity))
+
+
+PATHS = ["rl_check", "rl_check_many", "rl_check_all", "row_guard", "statement_guard"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("algorithm,lim,window_ms,burst", [
+    ("fixed", 3, 60000, None),
+    ("token_bucket", 3, 60000, 7),
+])
+def test_every_path_counts_on_the_numbered_key(env, shared_redis, path, algorithm, lim,
+                                                window_ms, burst):
+    """Every way an ordinary role decides a policy writes one key, the one
+    that carries the policy's numbers: decisions, batches, several limits
+    and both guards share that one counter."""
+    policy = env.policy(algorithm, (lim, window_ms, burst), (lim, window_ms, burst))
+    identity = new_ident("polkeys_path")
+    owner = env.here
+    me = env.caller()
+    if path in ("row_guard", "statement_guard"):
+        table = "rl_polkeys_%s" % uid()
+        owner.execute(sql.SQL("CREATE TABLE {} (tenant text NOT NULL)").format(sql.Identifier(table)))
+        if path == "row_guard":
+            trigger = "AFTER INSERT ON {} FOR EACH ROW EXECUTE FUNCTION rl_guard({}, 'tenant')"
+        else:
+            trigger = ("AFTER INSERT ON {} REFERENCING NEW TABLE AS n FOR EACH STATEMENT "
+                       "EXECUTE FUNCTION rl_guard_statement({}, 'tenant')")
+        owner.execute(sql.SQL("CREATE TRIGGER guard " + trigger).format(
+            sql.Identifier(table), sql.Literal(policy)))
+        owner.execute(sql.SQL("GRANT INSERT ON {} TO {}").format(sql.Identifier(table),
+                                                                 sql.Identifier(me.role)))
+    query = {
+        "rl_check": "SELECT rl_allow(%(p)s, %(i)s)",
+        "rl_check_many": "SELECT allowed FROM rl_check_many(%(p)s, ARRAY[%(i)s])",
+        "rl_check_all": "SELECT rl_allow_all(ARRAY[%(p)s], %(i)s)",
+        "row_guard": "INSERT INTO {t} VALUES (%(i)s)",
+        "statement_guard": "INSERT INTO {t} VALUES (%(i)s)",
+    }[path]
+    try:
+        me.at(BASE_CLOCK_MS)
+        if path in ("row_guard", "statement_guard"):
+            query = sql.SQL(query).format(t=sql.Identifier(table))
+        for _ in range(2):
+            me.conn.execute(query, {"p": policy, "i": identity})
+        key = rl_key(algorithm, identity, policy=policy, lim=lim, window_ms=window_ms, burst=burst)
+        assert keys_of(shared_redis, identity) == {key}
+        # the key is the one rl_check counts on
+        assert me.conn.execute("SELECT (rl_check(%s, %s, 0)).remaining",
+                               (policy, identity)).fetchone() == ((burst or lim) - 2,)
+    finally:
+        if path in ("row_guard", "statement_guard"):
+            owner.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
+
+
+def test_acquire_holds_its_slot_on_the_numbered_key(env, shared_redis):
+    """rl_acquire takes its slot on <prefix>concurrency:{<identity>}:<policy>:<lim>/<lease_ms>."""
+    policy = env.policy("concurrency", (2, 60000, None), (2, 60000, None))
+    identity = new_ident("polkeys_slot")
+    me = env.caller()
+    me.at(BASE_CLOCK_MS)
+    me.conn.execute("BEGIN")
+    assert me.conn.execute("SELECT rl_acquire_allow(%s, %s)", (policy, identity)).fetchone() == (True,)
+    key = rl_key("concurrency", identity, policy=policy, lim=2, window_ms=60000)
+    assert keys_of(shared_redis, identity) == {key}
+    assert shared_redis.command("ZCARD", key) == 1
+    me.conn.execute("COMMIT")
+    assert keys_of(shared_redis, identity) == set()
+
+
+def test_reset_deletes_policy_keys_of_every_format(env, shared_redis):
+    """rl_reset deletes the identity's policy keys of this version and of
+    earlier ones (<prefix><algorithm>:{<identity>}:<policy>, which this
+    version no longer reads), and no key of another identity."""
+    policy = env.policy("fixed", (5, 60000, None), (5, 60000, None))
+    identity, other = new_ident("polkeys_reset"), new_ident("polkeys_reset")
+    for i in (identity, other):
+        shared_redis.command("HSET", "rl:fixed:{%s}:%s" % (i, policy), "n", "1")
+        shared_redis.command("PEXPIRE", "rl:fixed:{%s}:%s" % (i, policy), "60000")
+        assert env.here.execute("SELECT rl_allow(%s, %s)", (policy, i)).fetchone() == (True,)
+        assert len(keys_of(shared_redis, i)) == 2
+    env.here.execute("SELECT rl_reset(%s)", (identity,))
+    assert keys_of(shared_redis, identity) == set()
+    assert keys_of(shared_redis, other) == {
+        "rl:fixed:{%s}:%s" % (other, policy),
+        rl_key("fixed", other, policy=policy, lim=5, window_ms=60000)}
+    env.here.execute("SELECT rl_reset(%s)", (other,))
