@@ -448,6 +448,9 @@ def test_password_refused_when_not_preloaded(redis_factory):
         su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
         try:
             su.execute("ALTER SYSTEM SET rl_redis.password = ''")
+            # (PostgreSQL 15 knows no placeholder that the configuration
+            # does not name before the library is loaded)
+            su.execute("LOAD 'rl_redis'")
             su.execute(sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(path)))
             su.execute("SELECT pg_reload_conf()")
         finally:
