@@ -213,8 +213,8 @@ def test_lowered_bound_keeps_refunds(env, shared_redis, name, charge, refund):
 ], ids=["policy", "explicit"])
 def test_lowered_bound_keeps_releases(env, acquire, release):
     """A slot taken under a 2 kB bound for a 1 500-byte identity is given
-    back after the bound was lowered to 1 kB: another session can take
-    all the slots again."""
+    back, before its transaction ends, after the bound was lowered to 1 kB:
+    another session can take it."""
     conn, _ = session(max_bytes="2kB")
     other = pg_connect()
     try:
@@ -222,12 +222,14 @@ def test_lowered_bound_keeps_releases(env, acquire, release):
                  max_identity_bytes="2kB")
         args = dict(env, id=identity(1500))
         lim = 5 if "p_c" in acquire else 1
+        conn.execute("BEGIN")  # the slots belong to the transaction
         for _ in range(lim):
             assert conn.execute("SELECT " + acquire, args).fetchone()[0] is True
         assert other.execute("SELECT " + acquire, args).fetchone()[0] is False
-        set_gucs(conn, max_identity_bytes="1kB")
+        conn.execute("SET LOCAL rl_redis.max_identity_bytes = '1kB'")
         assert conn.execute("SELECT " + release, args).fetchone()[0] is True
         assert other.execute("SELECT " + acquire, args).fetchone()[0] is True
+        conn.execute("COMMIT")
     finally:
         other.close()
         conn.close()

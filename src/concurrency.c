@@ -302,7 +302,7 @@ rl_take_slot(const char *policy, text *identity, int32 lim, int64 lease_ms,
 static void
 rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0);
+	text	   *identity = rl_get_identity(fcinfo, 0, false);
 	int32		lim;
 	int64		lease_ms;
 
@@ -332,7 +332,7 @@ static void
 rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
 {
 	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
-	text	   *identity = rl_get_identity(fcinfo, 1);
+	text	   *identity = rl_get_identity(fcinfo, 1, false);
 
 	if (!policy.concurrency)
 		ereport(ERROR,
@@ -442,7 +442,7 @@ PG_FUNCTION_INFO_V1(rl_concurrency_release);
 Datum
 rl_concurrency_release(PG_FUNCTION_ARGS)
 {
-	PG_RETURN_BOOL(rl_release_slot(NULL, rl_get_identity(fcinfo, 0)));
+	PG_RETURN_BOOL(rl_release_slot(NULL, rl_get_identity(fcinfo, 0, true)));
 }
 
 PG_FUNCTION_INFO_V1(rl_acquire);
@@ -480,5 +480,5 @@ rl_release(PG_FUNCTION_ARGS)
 {
 	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
 
-	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1)));
+	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1, true)));
 }

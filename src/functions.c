@@ -50,7 +50,7 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 	text	   *identity;
 	int32		cost;
 
-	identity = rl_get_identity(fcinfo, 0);
+	identity = rl_get_identity(fcinfo, 0, refund);
 	rl_limit_args(fcinfo, algorithm, &limit);
 	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
 
@@ -274,7 +274,7 @@ PG_FUNCTION_INFO_V1(rl_reset);
 Datum
 rl_reset(PG_FUNCTION_ARGS)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0);
+	text	   *identity = rl_get_identity(fcinfo, 0, true);
 	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
 	RlFailure	failure;
 	RlConn	  **conns;

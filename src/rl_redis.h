@@ -534,8 +534,9 @@ extern const char *rl_limit_suffix(const RlLimit *limit, char *buf);
 extern StringInfo rl_copy_key(StringInfo key);
 extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 							  const char *name);
-extern void rl_check_identity(size_t len, Relation rel);
-extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
+extern void rl_check_identity(size_t len, Relation rel, bool existing);
+extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno,
+							 bool existing);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);
 extern void rl_decide_batch(const RlLimit *limit, text **identities, int n,
