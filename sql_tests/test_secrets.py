@@ -471,3 +471,48 @@ def test_password_refused_when_not_preloaded(redis_factory):
             time.sleep(0.05)
     finally:
         server.remove()
+
+
+def test_password_file_failure_logged_once_per_outage(redis_factory):
+    """The server-log line that names a failing password file comes once
+    per outage, not with every connection attempt: 1 000 calls of a session
+    under on_error = allow without a circuit breaker (retry_interval = 0)
+    add one line; a session of its own, one more. A cluster of its own, for
+    a log of its own."""
+    r = redis_factory(password=new_secret("pwlog"))
+    server = PgServer(r, on_error="allow")
+    path = os.path.join(server.base, "redis-password")
+    try:
+        with open(path, "w") as f:
+            f.write("whatever\n")
+        os.chmod(path, 0o644)
+        give_to_owner(path)
+        su = server.connect()
+        try:
+            su.execute(sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(path)))
+            su.execute("SELECT pg_reload_conf()")
+        finally:
+            su.close()
+        deadline = time.monotonic() + 10
+        while True:
+            with server.connect() as conn:
+                if conn.execute("SHOW rl_redis.password_file").fetchone()[0] == path:
+                    break
+            assert time.monotonic() < deadline, "reload not seen"
+            time.sleep(0.05)
+        for _ in range(2):
+            conn = server.connect()
+            try:
+                for i in range(1000):
+                    assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
+                                        ("pwlog:%d" % i,)).fetchone()[0] is True
+            finally:
+                conn.close()
+        # (the reload logs the setting's new value once, too)
+        lines = [line for line in server.log().splitlines()
+                 if path in line and "changed to" not in line]
+        assert len(lines) == 2, lines
+        assert all("group or world access" in line for line in lines), lines
+        assert r.cli("DBSIZE") == "0"
+    finally:
+        server.remove()
