@@ -13,7 +13,8 @@
  * pg_db_role_setting, so the check hook refuses those) or from the file that
  * rl_redis.password_file names. The transport gets it through
  *
- *	bool rl_read_password(char *buf, size_t size, char *err, size_t errsize);
+ *	bool rl_read_password(bool sentinel, bool log, char *buf, size_t size,
+ *						  char *err, size_t errsize);
  */
 #include "postgres.h"
 
@@ -182,16 +183,17 @@ check_sentinel_password(char **newval, void **extra, GucSource source)
 
 /*
  * Fills err (errsize bytes) with why the password file cannot be used,
- * what (a clause about "the file"), and puts the file's path in the server
- * log only: the path is hidden from ordinary roles, and err may reach any
- * role that calls.
+ * what (a clause about "the file"), and with log puts the file's path in
+ * the server log only: the path is hidden from ordinary roles, and err may
+ * reach any role that calls.
  */
 static void
-rl_password_file_failed(const char *what, char *err, size_t errsize)
+rl_password_file_failed(const char *what, bool log, char *err, size_t errsize)
 {
 	snprintf(err, errsize, "rl_redis.password_file: %s", what);
-	ereport(LOG_SERVER_ONLY,
-			(errmsg("rl_redis.password_file \"%s\": %s", rl_password_file, what)));
+	if (log)
+		ereport(LOG_SERVER_ONLY,
+				(errmsg("rl_redis.password_file \"%s\": %s", rl_password_file, what)));
 }
 
 /*
@@ -203,11 +205,14 @@ rl_password_file_failed(const char *what, char *err, size_t errsize)
  * it until the library was loaded), when the file cannot be read, is not a
  * plain file, is group or world accessible (like libpq's passfile), or its
  * first line is empty, or when the password is longer than size - 1
- * bytes. err never holds a secret or the file's path. Never raises: it is
- * called while connecting.
+ * bytes. err never holds a secret or the file's path; with log, a failure
+ * of the file is also written, with the path, to the server log (the
+ * caller logs the failure that starts an outage only, so that calls cannot
+ * flood the log). It is called while connecting: it raises only when that
+ * log line cannot be written, and the file is closed by then.
  */
 bool
-rl_read_password(bool sentinel, char *buf, size_t size, char *err,
+rl_read_password(bool sentinel, bool log, char *buf, size_t size, char *err,
 				 size_t errsize)
 {
 	const char *name = sentinel ? "rl_redis.sentinel_password" : "rl_redis.password";
@@ -253,7 +258,7 @@ rl_read_password(bool sentinel, char *buf, size_t size, char *err,
 	if (fd < 0)
 	{
 		snprintf(what, sizeof(what), "could not open the file: %s", strerror(errno));
-		rl_password_file_failed(what, err, errsize);
+		rl_password_file_failed(what, log, err, errsize);
 		return false;
 	}
 	if (fstat(fd, &st) != 0)
@@ -327,12 +332,12 @@ read_failed:
 	snprintf(what, sizeof(what), "could not read the file: %s", strerror(errno));
 
 done:
+	close(fd);
 	if (!ok)
 	{
 		explicit_bzero(buf, size);
-		rl_password_file_failed(what, err, errsize);
+		rl_password_file_failed(what, log, err, errsize);
 	}
-	close(fd);
 	return ok;
 }
 

@@ -159,7 +159,7 @@ extern bool rl_connection_settings_changed;
 #define RL_MAX_SEEDS 64
 
 extern void rl_define_gucs(void);
-extern bool rl_read_password(bool sentinel, char *buf, size_t size,
+extern bool rl_read_password(bool sentinel, bool log, char *buf, size_t size,
 							 char *err, size_t errsize);
 extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
 extern bool rl_parse_redirect_node(const char *s, const char *default_host,

@@ -1197,8 +1197,9 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 		bool		ok;
 		bool		sentinel = conn->kind == RL_CONN_SENTINEL;
 
-		if (!rl_read_password(sentinel, password, sizeof(password), err,
-							  sizeof(err)))
+		/* logged when it starts an outage (rl_breaker_failed) */
+		if (!rl_read_password(sentinel, conn->breaker.outage_start == 0,
+							  password, sizeof(password), err, sizeof(err)))
 		{
 			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: %s", conn->address, err);
