@@ -399,7 +399,8 @@ rl_release_slot(const char *policy, text *identity)
 		ereport(WARNING,
 				(errcode(failure.sqlerrcode),
 				 errmsg_internal("%s", failure.message),
-				 errdetail("The slot is given back with the next call that reaches Redis, or when its lease ends.")));
+				 errdetail("The slot is given back with the next call that reaches Redis, or when its lease ends."),
+				 rl_failure_hint(&failure)));
 		return false;
 	}
 	released = reply->type == REDIS_REPLY_INTEGER && reply->integer == 1;

@@ -228,13 +228,29 @@ rl_limit_suffix(const RlLimit *limit, char *buf)
 		snprintf(buf, 64, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
 	return buf;
 }
+/* errhint() with the advice of a failure, or 0 when it has none. */
+int
+rl_failure_hint(const RlFailure *failure)
+{
+	switch (failure->hint)
+	{
+		case RL_HINT_PRELOAD:
+			return errhint("Add rl_redis to shared_preload_libraries.");
+		case RL_HINT_PRELOAD_OR_FILE:
+			return errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file (without preloading, every role can read its path, not the password).");
+		default:
+			return 0;
+	}
+}
+
 /* Raises a failure as an error. */
 void
 rl_raise(const RlFailure *failure)
 {
 	ereport(ERROR,
 			(errcode(failure->sqlerrcode),
-			 errmsg_internal("%s", failure->message)));
+			 errmsg_internal("%s", failure->message),
+			 rl_failure_hint(failure)));
 }
 
 /*
@@ -270,7 +286,8 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 				 errmsg_internal("%s", failure->message),
 				 errdetail("Requests are %s without a decision from Redis because rl_redis.on_error is \"%s\".",
 						   d->allowed ? "allowed" : "denied",
-						   d->allowed ? "allow" : "deny")));
+						   d->allowed ? "allow" : "deny"),
+				 rl_failure_hint(failure)));
 }
 
 /* Fills in the failure of a reply that is not what the scripts return. */
@@ -546,7 +563,7 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
 	for (g = 0; g < sp->ncalls; g++)
 	{
 		RlDecision	gd;
-		RlFailure	gf;
+		RlFailure	gf = {0};
 		int			gi;
 		RlCharge   *gc = sp->group + sp->first[g];
 
@@ -691,7 +708,7 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	}
 	PG_CATCH();
 	{
-		RlFailure	ignored;
+		RlFailure	ignored = {0};
 
 		/* what came in is taken in (and given back) before the error goes on */
 		MemoryContextSwitchTo(cxt);

@@ -125,7 +125,7 @@ static void
 rl_admin_command(RlConn *conn, int argc, const char **argv,
 				 const size_t *argvlen)
 {
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	redisReply *reply = rl_command(conn, argc, argv, argvlen, &failure);
 
 	if (reply == NULL)
@@ -194,7 +194,7 @@ rl_reset_step(RlConn *conn, StringInfo pattern, const char *tag,
 	int			ndel = 1;
 	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
 	size_t		argvlen[6] = {4, strlen(cursor), 5, pattern->len, 5, 4};
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	redisReply *reply = rl_command(conn, 6, argv, argvlen, &failure);
 	redisReply *keys;
 	const char **del;
@@ -276,7 +276,7 @@ rl_reset(PG_FUNCTION_ARGS)
 {
 	text	   *identity = rl_get_identity(fcinfo, 0, true);
 	StringInfo	key = rl_copy_key(rl_build_key("", identity, NULL));
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	RlConn	  **conns;
 	int			n;
 	int			i;
@@ -329,7 +329,7 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 	const char *argv[1] = {"PING"};
 	size_t		argvlen[1] = {4};
 	RlConn	  **conns;
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	int			n;
 	int			i;
 	double		worst = 0;

@@ -14,7 +14,7 @@
  * rl_redis.password_file names. The transport gets it through
  *
  *	bool rl_read_password(bool sentinel, bool log, char *buf, size_t size,
- *						  char *err, size_t errsize);
+ *						  char *err, size_t errsize, RlHint *hint);
  */
 #include "postgres.h"
 
@@ -205,7 +205,8 @@ rl_password_file_failed(const char *what, bool log, char *err, size_t errsize)
  * it until the library was loaded), when the file cannot be read, is not a
  * plain file, is group or world accessible (like libpq's passfile), or its
  * first line is empty, or when the password is longer than size - 1
- * bytes. err never holds a secret or the file's path; with log, a failure
+ * bytes. err never holds a secret or the file's path, and hint is set to
+ * the advice for the failure (or RL_HINT_NONE); with log, a failure
  * of the file is also written, with the path, to the server log (the
  * caller logs the failure that starts an outage only, so that calls cannot
  * flood the log). It is called while connecting: it raises only when that
@@ -213,7 +214,7 @@ rl_password_file_failed(const char *what, bool log, char *err, size_t errsize)
  */
 bool
 rl_read_password(bool sentinel, bool log, char *buf, size_t size, char *err,
-				 size_t errsize)
+				 size_t errsize, RlHint *hint)
 {
 	const char *name = sentinel ? "rl_redis.sentinel_password" : "rl_redis.password";
 	const char *value = sentinel ? rl_sentinel_password : rl_password;
@@ -226,6 +227,7 @@ rl_read_password(bool sentinel, bool log, char *buf, size_t size, char *err,
 
 	if (errsize > 0)
 		err[0] = '\0';
+	*hint = RL_HINT_NONE;
 	if (size == 0)
 	{
 		snprintf(err, errsize, "no room for the password");
@@ -238,8 +240,9 @@ rl_read_password(bool sentinel, bool log, char *buf, size_t size, char *err,
 		if (!secrets_hidden)
 		{
 			snprintf(err, errsize,
-					 "%s is not used without rl_redis in shared_preload_libraries, as every role could read it before the library was loaded; preload the library%s",
-					 name, sentinel ? "" : " or use rl_redis.password_file");
+					 "%s is not used without rl_redis in shared_preload_libraries",
+					 name);
+			*hint = sentinel ? RL_HINT_PRELOAD : RL_HINT_PRELOAD_OR_FILE;
 			return false;
 		}
 		if (strlen(value) >= size)
@@ -535,7 +538,7 @@ rl_define_gucs(void)
 		ereport(WARNING,
 				(errmsg("rl_redis.password is not used because the rl_redis library is not in shared_preload_libraries"),
 				 errdetail("Every role could read the setting before the library was loaded."),
-				 errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file.")));
+				 errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file (without preloading, every role can read its path, not the password).")));
 
 	DefineCustomStringVariable("rl_redis.password_file",
 							   "File whose first line is the Redis password sent with AUTH.",
