@@ -386,6 +386,24 @@ def test_empty_password_setting_is_accepted(pg, app_role):
     pg.execute(sql.SQL("ALTER ROLE {} RESET rl_redis.password").format(sql.Identifier(app_role)))
 
 
+def use_password_file(port, path, content, mode, **settings):
+    """Writes content to the file path (with mode, owned by the cluster's
+    owner), and sets rl_redis.password_file to it and rl_redis.<name> for
+    each of settings in the cluster at port (ALTER SYSTEM, reload)."""
+    with open(path, "w") as f:
+        f.write(content)
+    os.chmod(path, mode)
+    give_to_owner(path)
+    su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
+    try:
+        for name, value in dict(settings, password_file=path).items():
+            su.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                sql.Identifier("rl_redis", name), sql.Literal(value)))
+        su.execute("SELECT pg_reload_conf()")
+    finally:
+        su.close()
+
+
 def test_password_refused_when_not_preloaded(redis_factory):
     """Without shared_preload_libraries, postgresql.conf's rl_redis.password
     is a placeholder that every role reads until the library is loaded: it
@@ -451,17 +469,7 @@ def test_password_refused_when_not_preloaded(redis_factory):
         finally:
             su.close()
         # the password file: no password setting, no warning, and it is used
-        with open(path, "w") as f:
-            f.write(password + "\n")
-        os.chmod(path, 0o600)
-        give_to_owner(path)
-        su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
-        try:
-            su.execute("ALTER SYSTEM SET rl_redis.password = ''")
-            su.execute(sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(path)))
-            su.execute("SELECT pg_reload_conf()")
-        finally:
-            su.close()
+        use_password_file(port, path, password + "\n", 0o600, password="")
         deadline = time.monotonic() + 10
         while True:
             su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
@@ -493,16 +501,7 @@ def test_password_file_failure_logged_once_per_outage(redis_factory):
     server = PgServer(r, on_error="allow")
     path = os.path.join(server.base, "redis-password")
     try:
-        with open(path, "w") as f:
-            f.write("whatever\n")
-        os.chmod(path, 0o644)
-        give_to_owner(path)
-        su = server.connect()
-        try:
-            su.execute(sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(path)))
-            su.execute("SELECT pg_reload_conf()")
-        finally:
-            su.close()
+        use_password_file(server.port, path, "whatever\n", 0o644)
         deadline = time.monotonic() + 10
         while True:
             with server.connect() as conn:
