@@ -1040,6 +1040,26 @@ def test_long_identity(service, shared_redis):
     assert shared_redis.command("EXISTS", rl_key("sliding", too_long, lim=3, window_ms=60000)) == 0
 
 
+def test_identity_over_the_database_bound_is_400(start_service, policies, shared_redis):
+    """An identity the service takes (at most 512 bytes) but the database
+    refuses, as its rl_redis.max_identity_bytes is lower (54000), is the
+    client's error: 400 naming the identity, not 503."""
+    svc = start_service("--dsn", "options='-c rl_redis.max_identity_bytes=256'")
+    policy = policies("fixed", 3, 60000)
+    base = new_ident("http-dbbound")
+    identity = base + "x" * (300 - len(base))
+    for path, body in [(FIXED, {"identity": identity, "limit": 3, "windowSeconds": 60}),
+                       (SLIDING, {"identity": identity, "limit": 3, "windowSeconds": 60}),
+                       (POLICY, {"identity": identity, "policy": policy})]:
+        resp = svc.post(path, body)
+        assert resp.status == 400, (path, resp)
+        assert set(resp.json) == {"error"}, resp
+        assert resp.json["error"].startswith("identity rejected by the database:"), resp
+        assert "identity is too long" in resp.json["error"], resp
+    assert shared_redis.command("EXISTS", rl_key("fixed", identity, lim=3, window_ms=60000)) == 0
+    check_allowed(svc.decide(FIXED, base, 3, 60), 3, 2, 60)
+
+
 def test_surrogate_pair_is_one_character(service, shared_redis):
     # "\ud83d\ude00" is one character (U+1F600) in JSON, and a valid identity
     identity = new_ident("http-emoji") + "\U0001F600"

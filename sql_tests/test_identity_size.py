@@ -1,13 +1,18 @@
 """The size of an identity is bounded on every path (issue 19, finding 2).
 
 rl_redis.max_identity_bytes (superuser-only, default 1 kB) bounds the bytes
-of an identity wherever one enters: the explicit algorithm functions (and
-their peeks and refunds), policies, several limits, batches, concurrency
-slots and their release, rl_reset and the identities the row and
-statement guards build. A longer one is refused with 54000
-(program_limit_exceeded) before anything is sent: Redis holds no key of
-the call afterwards, not even of the short identities of the same batch or
-statement. An identity of exactly the bound works.
+of an identity wherever one can make state: the explicit algorithm
+functions (and their peeks), policies, several limits, batches, concurrency
+slots and the identities the row and statement guards build. A longer one
+is refused with 54000 (program_limit_exceeded) before anything is sent:
+Redis holds no key of the call afterwards, not even of the short
+identities of the same batch or statement. An identity of exactly the
+bound works.
+
+What only touches state that exists (releasing a slot, refunds, rl_reset)
+is bounded by the setting's largest value (1 MB) instead: a bound lowered
+after a slot was taken or units charged does not keep them (issue 19
+review, finding 5), and a refund of a key that does not exist makes none.
 
 Each test writes under a key prefix of its own, so "no key" is a SCAN of
 that prefix in the shared Redis.
@@ -23,6 +28,7 @@ from conftest import new_ident, pg_connect, set_gucs
 
 PROGRAM_LIMIT_EXCEEDED = "54000"
 INSUFFICIENT_PRIVILEGE = "42501"
+LARGEST_BOUND = 1024 * 1024
 
 # every entry path that takes an identity: %(id)s is the identity, %(p)s a
 # rate policy, %(cp)s a concurrency policy, {row} and {stmt} tables with a
@@ -56,6 +62,20 @@ PATHS = [
     ("row guard", "INSERT INTO {row} (tenant) VALUES (%(id)s)"),
     ("statement guard", "INSERT INTO {stmt} (tenant) VALUES ('short'), (%(id)s)"),
 ]
+
+# the paths that only touch state that exists: bounded by LARGEST_BOUND
+EXISTING = {"rl_fixed_refund", "rl_refund", "rl_release", "rl_concurrency_release", "rl_reset"}
+BOUNDED = [p for p in PATHS if p[0] not in EXISTING]
+
+
+def too_long(e, length, limit, guard=False):
+    """Whether e is the error of an identity of length bytes over limit."""
+    detail = "The identity is %s%d bytes long; the limit is %d bytes." % (
+        "at least " if guard else "", length, limit)
+    return (e.sqlstate == PROGRAM_LIMIT_EXCEEDED
+            and e.diag.message_primary == "identity is too long"
+            and e.diag.message_detail == detail
+            and "rl_redis.max_identity_bytes" in (e.diag.message_hint or ""))
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +144,7 @@ def identity(nbytes, multibyte=False):
     return head + "x" * fill
 
 
-@pytest.mark.parametrize("name,query", PATHS, ids=[p[0] for p in PATHS])
+@pytest.mark.parametrize("name,query", BOUNDED, ids=[p[0] for p in BOUNDED])
 @pytest.mark.parametrize("multibyte", [False, True], ids=["ascii", "utf8"])
 def test_one_byte_over_is_refused_and_writes_nothing(env, shared_redis, name, query, multibyte):
     conn, prefix = session(max_bytes=64)
@@ -132,9 +152,99 @@ def test_one_byte_over_is_refused_and_writes_nothing(env, shared_redis, name, qu
         args = dict(env, id=identity(65, multibyte))
         with pytest.raises(psycopg.Error) as e:
             conn.execute(statement(env, query), args)
-        assert e.value.sqlstate == PROGRAM_LIMIT_EXCEEDED, repr(e.value)
-        assert "rl_redis.max_identity_bytes" in e.value.diag.message_primary, repr(e.value)
-        assert e.value.diag.message_detail == "The identity is 65 bytes long.", repr(e.value)
+        assert too_long(e.value, 65, 64, guard="guard" in name), repr(e.value)
+        assert keys(shared_redis, prefix) == []
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("name,query", sorted(p for p in PATHS if p[0] in EXISTING))
+def test_existing_state_paths_take_any_identity_state_can_have(env, shared_redis, name, query):
+    """Over the setting, a release, refund or reset of state that does not
+    exist works and makes no key; over the setting's largest value it is
+    refused like any other."""
+    conn, prefix = session(max_bytes=64)
+    try:
+        conn.execute(statement(env, query), dict(env, id=identity(2000)))
+        assert keys(shared_redis, prefix) == []
+        with pytest.raises(psycopg.Error) as e:
+            conn.execute(statement(env, query), dict(env, id=identity(LARGEST_BOUND + 1)))
+        assert too_long(e.value, LARGEST_BOUND + 1, LARGEST_BOUND), repr(e.value)
+    finally:
+        conn.close()
+
+
+REFUNDS = [
+    ("fixed", "rl_fixed(%(id)s, 5, 60000, 3)", "rl_fixed_refund(%(id)s, 5, 60000, 3)"),
+    ("sliding", "rl_sliding(%(id)s, 5, 60000, 3)", "rl_sliding_refund(%(id)s, 5, 60000, 3)"),
+    ("sliding_counter", "rl_sliding_counter(%(id)s, 5, 60000, 3)",
+     "rl_sliding_counter_refund(%(id)s, 5, 60000, 3)"),
+    ("token_bucket", "rl_token_bucket(%(id)s, 5, 60000, 3)",
+     "rl_token_bucket_refund(%(id)s, 5, 60000, 3)"),
+    ("gcra", "rl_gcra(%(id)s, 5, 60000, 3)", "rl_gcra_refund(%(id)s, 5, 60000, 3)"),
+    ("policy", "rl_check(%(p)s, %(id)s, 3)", "rl_refund(%(p)s, %(id)s, 3)"),
+]
+
+
+@pytest.mark.parametrize("name,charge,refund", REFUNDS, ids=[r[0] for r in REFUNDS])
+def test_lowered_bound_keeps_refunds(env, shared_redis, name, charge, refund):
+    """Units charged under a 2 kB bound for a 1 500-byte identity are given
+    back after the bound was lowered to 1 kB; a refund of a key that does
+    not exist (under that identity, or a longer one) makes none."""
+    conn, prefix = session(max_bytes="2kB")
+    try:
+        args = dict(env, id=identity(1500))
+        assert conn.execute("SELECT (%s).remaining" % charge, args).fetchone()[0] == 2
+        assert len(keys(shared_redis, prefix)) == 1
+        set_gucs(conn, max_identity_bytes="1kB")
+        assert conn.execute("SELECT (%s).remaining" % refund, args).fetchone()[0] == 5
+        assert keys(shared_redis, prefix) == []
+        assert conn.execute("SELECT (%s).remaining" % refund, args).fetchone()[0] == 5
+        assert conn.execute("SELECT (%s).remaining" % refund,
+                            dict(env, id=identity(3000))).fetchone()[0] == 5
+        assert keys(shared_redis, prefix) == []
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("acquire,release", [
+    ("rl_acquire_allow(%(p_c)s, %(id)s)", "rl_release(%(p_c)s, %(id)s)"),
+    ("rl_concurrency_acquire_allow(%(id)s, 1, 60000)", "rl_concurrency_release(%(id)s)"),
+], ids=["policy", "explicit"])
+def test_lowered_bound_keeps_releases(env, acquire, release):
+    """A slot taken under a 2 kB bound for a 1 500-byte identity is given
+    back, before its transaction ends, after the bound was lowered to 1 kB:
+    another session can take it."""
+    conn, _ = session(max_bytes="2kB")
+    other = pg_connect()
+    try:
+        set_gucs(other, key_prefix=conn.execute("SHOW rl_redis.key_prefix").fetchone()[0],
+                 max_identity_bytes="2kB")
+        args = dict(env, id=identity(1500))
+        lim = 5 if "p_c" in acquire else 1
+        conn.execute("BEGIN")  # the slots belong to the transaction
+        for _ in range(lim):
+            assert conn.execute("SELECT " + acquire, args).fetchone()[0] is True
+        assert other.execute("SELECT " + acquire, args).fetchone()[0] is False
+        conn.execute("SET LOCAL rl_redis.max_identity_bytes = '1kB'")
+        assert conn.execute("SELECT " + release, args).fetchone()[0] is True
+        assert other.execute("SELECT " + acquire, args).fetchone()[0] is True
+        conn.execute("COMMIT")
+    finally:
+        other.close()
+        conn.close()
+
+
+def test_lowered_bound_keeps_reset(env, shared_redis):
+    """rl_reset deletes the state of a 1 500-byte identity made under a 2 kB
+    bound after the bound was lowered to 1 kB."""
+    conn, prefix = session(max_bytes="2kB")
+    try:
+        args = dict(env, id=identity(1500))
+        conn.execute("SELECT rl_fixed(%(id)s, 5, 60000), rl_check(%(p)s, %(id)s)", args)
+        assert len(keys(shared_redis, prefix)) == 2
+        set_gucs(conn, max_identity_bytes="1kB")
+        conn.execute("SELECT rl_reset(%(id)s)", args)
         assert keys(shared_redis, prefix) == []
     finally:
         conn.close()
@@ -163,7 +273,7 @@ def test_default_bound_for_an_ordinary_role(pg, env, shared_redis):
             assert len(keys(shared_redis, prefix)) == 1
             with pytest.raises(psycopg.Error) as e:
                 conn.execute("SELECT rl_allow(%s, %s)", (env["p"], identity(1025)))
-            assert e.value.sqlstate == PROGRAM_LIMIT_EXCEEDED, repr(e.value)
+            assert too_long(e.value, 1025, 1024), repr(e.value)
             assert len(keys(shared_redis, prefix)) == 1
             for value in ("100MB", "1"):
                 with pytest.raises(psycopg.Error) as e:

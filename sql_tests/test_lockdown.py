@@ -1,19 +1,26 @@
-"""The README's privileges, function by function (issue 19, finding 7).
+"""The README's privileges, function by function (issue 19, finding 7, and
+its review, findings 1 and 7).
 
-PRIVILEGES below has one row per function of the extension: whether PUBLIC
-may execute it on a fresh install, and whether it is one that decides,
-takes or gives back a slot, refunds or resets (what the README's lockdown
-for untrusted roles must leave to no role granted nothing). The test
-enumerates the extension's functions from pg_depend, so a new function
-cannot be added without its row here.
+The privilege table of README.md's "Granting access" section is the one
+statement of who may execute what: every function of the extension (found
+through pg_depend) must be named in exactly one of its rows, and the rows
+say which are PUBLIC's by default (a "who" naming `PUBLIC`), which of those
+stay PUBLIC's after the section's lockdown block ("after the lockdown"),
+and which pg_read_all_stats may execute (a "who" naming it). The tests
+check a fresh install against the table, run the block (taken from
+README.md as it is, with its roles renamed to ones of the test's own) and
+check that a role granted nothing can execute only what the table leaves
+open, while the application role may call every decision function, the
+batch ones included.
 
-It then runs the README's "Granting access" block (taken from README.md as
-it is, with its roles renamed to ones of the test's own) in a new database
-and checks that a role granted nothing can call none of the closed
-functions, while the application role may call every decision function,
-the batch ones included.
+An ALTER EXTENSION UPDATE creates its new functions with their default
+privileges (1.4 to 1.5: rl_check_many for PUBLIC), so the README says to
+run the block again after every update: a database locked down under 1.4,
+updated, and locked down again with the current block has the privileges
+of a fresh install locked down.
 """
 
+import contextlib
 import os
 import re
 import uuid
@@ -22,82 +29,109 @@ import psycopg
 from psycopg import sql
 import pytest
 
-from conftest import pg_connect
+from conftest import control_version, pg_connect
 
 INSUFFICIENT_PRIVILEGE = "42501"
-
-# regprocedure: (PUBLIC may execute on a fresh install, closed by the lockdown)
-PRIVILEGES = {
-    # decisions through policies: every role, until the lockdown
-    "rl_check(text,text,integer)": (True, True),
-    "rl_allow(text,text,integer)": (True, True),
-    "rl_check_all(text[],text,integer)": (True, True),
-    "rl_allow_all(text[],text,integer)": (True, True),
-    "rl_check_many(text,text[],integer)": (True, True),
-    # slots of concurrency policies, and giving back one's own explicit slot
-    "rl_acquire(text,text)": (True, True),
-    "rl_acquire_allow(text,text)": (True, True),
-    "rl_release(text,text)": (True, True),
-    "rl_concurrency_release(text)": (True, True),
-    # explicit limits, refunds, reset: granted only
-    "rl_fixed(text,integer,bigint,integer)": (False, True),
-    "rl_fixed_allow(text,integer,bigint,integer)": (False, True),
-    "rl_fixed_refund(text,integer,bigint,integer)": (False, True),
-    "rl_fixed_many(text[],integer,bigint,integer)": (False, True),
-    "rl_sliding(text,integer,bigint,integer)": (False, True),
-    "rl_sliding_allow(text,integer,bigint,integer)": (False, True),
-    "rl_sliding_refund(text,integer,bigint,integer)": (False, True),
-    "rl_sliding_many(text[],integer,bigint,integer)": (False, True),
-    "rl_sliding_counter(text,integer,bigint,integer)": (False, True),
-    "rl_sliding_counter_allow(text,integer,bigint,integer)": (False, True),
-    "rl_sliding_counter_refund(text,integer,bigint,integer)": (False, True),
-    "rl_sliding_counter_many(text[],integer,bigint,integer)": (False, True),
-    "rl_token_bucket(text,integer,bigint,integer,integer)": (False, True),
-    "rl_token_bucket_allow(text,integer,bigint,integer,integer)": (False, True),
-    "rl_token_bucket_refund(text,integer,bigint,integer,integer)": (False, True),
-    "rl_token_bucket_many(text[],integer,bigint,integer,integer)": (False, True),
-    "rl_gcra(text,integer,bigint,integer,integer)": (False, True),
-    "rl_gcra_allow(text,integer,bigint,integer,integer)": (False, True),
-    "rl_gcra_refund(text,integer,bigint,integer,integer)": (False, True),
-    "rl_gcra_many(text[],integer,bigint,integer,integer)": (False, True),
-    "rl_concurrency_acquire(text,integer,bigint)": (False, True),
-    "rl_concurrency_acquire_allow(text,integer,bigint)": (False, True),
-    "rl_refund(text,text,integer)": (False, True),
-    "rl_reset(text)": (False, True),
-    # guard triggers (a guard, once created, charges every writer)
-    "rl_guard()": (False, True),
-    "rl_guard_statement()": (False, True),
-    "rl_policy_changed()": (False, True),
-    # neither decides nor takes anything
-    "rl_headers(rl_result,text)": (True, False),
-    "rl_redis_ping()": (True, False),
-    # statistics and denials: pg_read_all_stats, superusers
-    "rl_top_denied(text,interval,integer)": (False, False),
-    "rl_redis_stats_rows()": (False, False),
-    "rl_redis_stats_scope()": (False, False),
-    "rl_redis_rtt_bounds()": (False, False),
-    "rl_redis_stats_reset()": (False, False),
-    "rl_redis_metrics()": (False, False),
-    "rl_redis_connections()": (False, False),
-}
-
-# the application role's functions: every decision, batches included
-APPLICATION = [f for f, (_, closed) in PRIVILEGES.items()
-               if closed and not f.startswith(("rl_guard", "rl_policy_changed", "rl_reset",
-                                               "rl_refund"))
-               and "_refund(" not in f]
-
+ALGORITHMS = ("fixed", "sliding", "sliding_counter", "token_bucket", "gcra")
 ROLES = ("app", "support", "table_owner", "limits_admin")
+
+# the lockdown block of the 1.4 README (released; the six functions)
+LOCKDOWN_1_4 = """
+GRANT EXECUTE ON FUNCTION
+    rl_fixed(text, integer, bigint, integer),
+    rl_fixed_allow(text, integer, bigint, integer),
+    rl_sliding(text, integer, bigint, integer),
+    rl_sliding_allow(text, integer, bigint, integer),
+    rl_sliding_counter(text, integer, bigint, integer),
+    rl_sliding_counter_allow(text, integer, bigint, integer),
+    rl_token_bucket(text, integer, bigint, integer, integer),
+    rl_token_bucket_allow(text, integer, bigint, integer, integer),
+    rl_gcra(text, integer, bigint, integer, integer),
+    rl_gcra_allow(text, integer, bigint, integer, integer),
+    rl_concurrency_acquire(text, integer, bigint),
+    rl_concurrency_acquire_allow(text, integer, bigint)
+  TO app;
+REVOKE EXECUTE ON FUNCTION
+    rl_check(text, text, integer), rl_allow(text, text, integer),
+    rl_check_all(text[], text, integer), rl_allow_all(text[], text, integer),
+    rl_acquire(text, text), rl_acquire_allow(text, text)
+  FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION
+    rl_check(text, text, integer), rl_allow(text, text, integer),
+    rl_check_all(text[], text, integer), rl_allow_all(text[], text, integer),
+    rl_acquire(text, text), rl_acquire_allow(text, text)
+  TO app;
+GRANT EXECUTE ON FUNCTION rl_reset(text), rl_refund(text, text, integer) TO support;
+GRANT EXECUTE ON FUNCTION rl_guard(), rl_guard_statement() TO table_owner;
+GRANT INSERT, UPDATE, DELETE ON rl_policy TO limits_admin;
+"""
+
+
+def readme():
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def readme_section(title):
+    """The text of README.md's section of that title (## or ###)."""
+    m = re.search(r"^#{2,3} %s\n(.*?)^##? " % re.escape(title), readme(), re.M | re.S)
+    assert m, "README.md has no section %r" % title
+    return m.group(1)
+
+
+class Row:
+    """A row of the README's privilege table: who, what they may, and the
+    function names it gives (rl_<algorithm>... stands for the five)."""
+
+    def __init__(self, who, may):
+        self.who, self.may = who, may
+        self.names = set()
+        for token in re.findall(r"`(rl_[a-z_<>]+)`", may):
+            if "<algorithm>" in token:
+                self.names |= {token.replace("<algorithm>", a) for a in ALGORITHMS}
+            else:
+                self.names.add(token)
+        self.public = "`PUBLIC`" in who
+        self.open_after_lockdown = self.public and "after the lockdown" in who
+        self.read_all_stats = "`pg_read_all_stats`" in who
+
+
+def readme_privileges():
+    """The rows of the privilege table of "Granting access" (a row with an
+    empty "who" continues the one above)."""
+    lines = readme_section("Granting access").splitlines()
+    start = lines.index("| who | may |")
+    rows, who = [], None
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        assert len(cells) == 2, line
+        who = cells[0] or who
+        rows.append(Row(who, cells[1]))
+    assert rows, "the Granting access section has no privilege table"
+    return rows
+
+
+def table(procs):
+    """{regprocedure: its Row} for the functions procs ({regprocedure:
+    oid}); each function must be named by exactly one row."""
+    rows = readme_privileges()
+    found = {}
+    for proc in procs:
+        name = proc.split("(")[0]
+        named = [r for r in rows if name in r.names]
+        assert len(named) == 1, "%s is named by %d rows of the README's privilege table" % (
+            proc, len(named))
+        found[proc] = named[0]
+    return found
 
 
 def readme_lockdown():
     """The setup directive and the SQL block of README.md's "Granting
     access" section."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    section = re.search(r"^### Granting access\n(.*?)^##? ", readme, re.M | re.S)
-    assert section, "README.md has no Granting access section"
-    m = re.search(r"^<!-- setup: (.*?) -->\n```sql\n(.*?)^```", section.group(1), re.M | re.S)
+    m = re.search(r"^<!-- setup: (.*?) -->\n```sql\n(.*?)^```", readme_section("Granting access"),
+                  re.M | re.S)
     assert m, "the Granting access section has no setup directive and SQL block"
     return m.group(1), m.group(2)
 
@@ -107,9 +141,10 @@ def renamed(text, names):
     return re.sub(r"\b(%s)\b" % "|".join(ROLES), lambda m: names[m.group(1)], text)
 
 
-@pytest.fixture
-def database():
-    """A new database with rl_redis, and roles of the test's own; all dropped."""
+@contextlib.contextmanager
+def new_database(version=None):
+    """A new database with rl_redis (of version, or the default one), and
+    names for roles of the test's own; all dropped afterwards."""
     tag = uuid.uuid4().hex[:10]
     db = "rl_lockdown_%s" % tag
     names = {r: "rl_%s_%s" % (r, tag) for r in ROLES + ("nobody",)}
@@ -117,7 +152,10 @@ def database():
     admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
     conn = pg_connect(dbname=db)
     try:
-        conn.execute("CREATE EXTENSION rl_redis")
+        if version:
+            conn.execute(sql.SQL("CREATE EXTENSION rl_redis VERSION {}").format(sql.Literal(version)))
+        else:
+            conn.execute("CREATE EXTENSION rl_redis")
         yield conn, names
     finally:
         conn.close()
@@ -125,6 +163,12 @@ def database():
         for role in names.values():
             admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
         admin.close()
+
+
+@pytest.fixture
+def database():
+    with new_database() as d:
+        yield d
 
 
 def functions(conn):
@@ -151,44 +195,89 @@ def call(conn, oid):
     return sql.SQL("SELECT {}({})").format(sql.SQL(types[1]), args)
 
 
-def test_every_function_has_a_row(database):
+def lock_down(conn, names, block):
+    """Runs a lockdown block with the test's roles, and makes the role
+    granted nothing."""
+    conn.execute(renamed(block, names))
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(names["nobody"])))
+
+
+def check_locked_down(conn, names):
+    """After the README's lockdown: a role granted nothing may execute only
+    what the table leaves open after it (and calling the rest is refused),
+    the application may decide every way, batches included, and support
+    and the table owner have their functions."""
+    nobody = names["nobody"]
+    procs = functions(conn)
+    rows = table(procs)
+    for proc, oid in procs.items():
+        assert may(conn, nobody, oid) == rows[proc].open_after_lockdown, proc
+    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(nobody)))
+    for proc, oid in procs.items():
+        if rows[proc].open_after_lockdown or proc.endswith("()"):
+            continue
+        with pytest.raises(psycopg.Error) as e:
+            conn.execute(call(conn, oid))
+        assert e.value.sqlstate == INSUFFICIENT_PRIVILEGE, (proc, repr(e.value))
+    conn.execute("RESET ROLE")
+    application = [proc for proc, row in rows.items()
+                   if (row.public and not row.open_after_lockdown) or row.may.startswith("take")]
+    assert "rl_check_many(text,text[],integer)" in application
+    assert "rl_gcra_many(text[],integer,bigint,integer,integer)" in application
+    for proc in application:
+        assert may(conn, names["app"], procs[proc]), proc
+    for proc in ("rl_reset(text)", "rl_refund(text,text,integer)"):
+        assert may(conn, names["support"], procs[proc]), proc
+    for proc in ("rl_guard()", "rl_guard_statement()"):
+        assert may(conn, names["table_owner"], procs[proc]), proc
+
+
+def test_every_function_is_in_the_privilege_table(database):
     conn, _ = database
-    found = set(functions(conn))
-    assert found - set(PRIVILEGES) == set(), "functions without a row in PRIVILEGES"
-    assert set(PRIVILEGES) - found == set(), "rows of PRIVILEGES without a function"
+    rows = table(functions(conn))
+    assert len(rows) == len(functions(conn))
+    # every row that names functions names functions of the extension
+    names = {proc.split("(")[0] for proc in rows}
+    for row in readme_privileges():
+        stray = {n for n in row.names - names if n not in ("rl_policy", "rl_redis_stats")}
+        assert stray == set(), (row.who, stray)
 
 
 def test_fresh_install_privileges(database):
     conn, names = database
     conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(names["nobody"])))
-    for proc, oid in functions(conn).items():
-        assert may(conn, names["nobody"], oid) == PRIVILEGES[proc][0], proc
+    procs = functions(conn)
+    rows = table(procs)
+    for proc, oid in procs.items():
+        assert may(conn, names["nobody"], oid) == rows[proc].public, proc
+        assert may(conn, "pg_read_all_stats", oid) == (
+            rows[proc].public or rows[proc].read_all_stats), proc
 
 
 def test_readme_lockdown_leaves_nothing_to_a_role_granted_nothing(database):
     conn, names = database
     setup, block = readme_lockdown()
     conn.execute(renamed(setup, names))
-    conn.execute(renamed(block, names))
-    nobody = names["nobody"]
-    conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(nobody)))
-    procs = functions(conn)
-    for proc, oid in procs.items():
-        public, closed = PRIVILEGES[proc]
-        assert may(conn, nobody, oid) == (public and not closed), proc
-    # and calling them, as that role, is refused
-    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(nobody)))
-    for proc, oid in procs.items():
-        if not PRIVILEGES[proc][1] or proc.endswith("()"):
-            continue
-        with pytest.raises(psycopg.Error) as e:
-            conn.execute(call(conn, oid))
-        assert e.value.sqlstate == INSUFFICIENT_PRIVILEGE, (proc, repr(e.value))
-    conn.execute("RESET ROLE")
-    # the application may decide every way, batches included
-    for proc in APPLICATION:
-        assert may(conn, names["app"], procs[proc]), proc
-    for proc in ("rl_reset(text)", "rl_refund(text,text,integer)"):
-        assert may(conn, names["support"], procs[proc]), proc
-    for proc in ("rl_guard()", "rl_guard_statement()"):
-        assert may(conn, names["table_owner"], procs[proc]), proc
+    lock_down(conn, names, block)
+    check_locked_down(conn, names)
+
+
+def test_lockdown_again_after_update_from_1_4():
+    """A database locked down as the 1.4 README said gets rl_check_many for
+    PUBLIC with ALTER EXTENSION UPDATE (the update creates it with the
+    default privileges); the current block, run again as the README's
+    upgrade section says, closes it: the privileges of a fresh install
+    locked down."""
+    upgrading = readme_section("Upgrading from 1.4")
+    assert "(#granting-access)" in upgrading and "again" in upgrading, upgrading
+    with new_database("1.4") as (conn, names):
+        setup, block = readme_lockdown()
+        conn.execute(renamed(setup, names))
+        lock_down(conn, names, LOCKDOWN_1_4)
+        conn.execute("ALTER EXTENSION rl_redis UPDATE")
+        assert conn.execute("SELECT extversion FROM pg_extension"
+                            " WHERE extname = 'rl_redis'").fetchone()[0] == control_version()
+        procs = functions(conn)
+        assert may(conn, names["nobody"], procs["rl_check_many(text,text[],integer)"])
+        conn.execute(renamed(block, names))
+        check_locked_down(conn, names)

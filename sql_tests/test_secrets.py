@@ -386,6 +386,27 @@ def test_empty_password_setting_is_accepted(pg, app_role):
     pg.execute(sql.SQL("ALTER ROLE {} RESET rl_redis.password").format(sql.Identifier(app_role)))
 
 
+def use_password_file(port, path, content, mode, **settings):
+    """Writes content to the file path (with mode, owned by the cluster's
+    owner), and sets rl_redis.password_file to it and rl_redis.<name> for
+    each of settings in the cluster at port (ALTER SYSTEM, reload)."""
+    with open(path, "w") as f:
+        f.write(content)
+    os.chmod(path, mode)
+    give_to_owner(path)
+    su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
+    try:
+        # (PostgreSQL 15 knows no placeholder that the configuration does
+        # not name before the library is loaded)
+        su.execute("LOAD 'rl_redis'")
+        for name, value in dict(settings, password_file=path).items():
+            su.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                sql.Identifier("rl_redis", name), sql.Literal(value)))
+        su.execute("SELECT pg_reload_conf()")
+    finally:
+        su.close()
+
+
 def test_password_refused_when_not_preloaded(redis_factory):
     """Without shared_preload_libraries, postgresql.conf's rl_redis.password
     is a placeholder that every role reads until the library is loaded: it
@@ -417,6 +438,8 @@ def test_password_refused_when_not_preloaded(redis_factory):
             assert "not used" in warnings[0][1], warnings
             assert "shared_preload_libraries" in warnings[0][2], warnings
             assert "rl_redis.password_file" in warnings[0][2], warnings
+            # the file's path stays a placeholder every role reads, not its contents
+            assert "path" in warnings[0][2], warnings
             assert password not in notices.text()
             # and it is not used: the connection attempt fails
             su.execute("CREATE EXTENSION rl_redis")
@@ -424,8 +447,13 @@ def test_password_refused_when_not_preloaded(redis_factory):
                 su.execute("SELECT rl_fixed(%s, 5, 60000)", (new_ident("nopreload"),))
             err = exc.value
             assert err.sqlstate == "08001", repr(err)
-            assert "shared_preload_libraries" in str(err), str(err)
-            assert "rl_redis.password_file" in str(err), str(err)
+            # the message says what, the hint what to do
+            assert err.diag.message_primary.endswith(
+                ": rl_redis.password is not used without rl_redis in shared_preload_libraries"), \
+                err.diag.message_primary
+            hint = err.diag.message_hint or ""
+            assert "shared_preload_libraries" in hint and "rl_redis.password_file" in hint, hint
+            assert "path" in hint, hint
             assert password not in str(err)
             assert r.cli("DBSIZE") == "0"
             # the sentinels' password is refused the same way
@@ -435,26 +463,16 @@ def test_password_refused_when_not_preloaded(redis_factory):
             su.execute("SET rl_redis.sentinel_password = 'sentinel-secret'")
             with pytest.raises(psycopg.Error) as exc:
                 su.execute("SELECT rl_fixed(%s, 5, 60000)", (new_ident("nopreload"),))
-            assert "rl_redis.sentinel_password" in str(exc.value), str(exc.value)
-            assert "shared_preload_libraries" in str(exc.value), str(exc.value)
+            assert exc.value.diag.message_primary.endswith(
+                ": rl_redis.sentinel_password is not used without rl_redis in shared_preload_libraries"), \
+                exc.value.diag.message_primary
+            hint = exc.value.diag.message_hint or ""
+            assert "shared_preload_libraries" in hint and "password_file" not in hint, hint
             assert "sentinel-secret" not in str(exc.value)
         finally:
             su.close()
         # the password file: no password setting, no warning, and it is used
-        with open(path, "w") as f:
-            f.write(password + "\n")
-        os.chmod(path, 0o600)
-        give_to_owner(path)
-        su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
-        try:
-            su.execute("ALTER SYSTEM SET rl_redis.password = ''")
-            # (PostgreSQL 15 knows no placeholder that the configuration
-            # does not name before the library is loaded)
-            su.execute("LOAD 'rl_redis'")
-            su.execute(sql.SQL("ALTER SYSTEM SET rl_redis.password_file = {}").format(sql.Literal(path)))
-            su.execute("SELECT pg_reload_conf()")
-        finally:
-            su.close()
+        use_password_file(port, path, password + "\n", 0o600, password="")
         deadline = time.monotonic() + 10
         while True:
             su = pg_connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
@@ -472,5 +490,41 @@ def test_password_refused_when_not_preloaded(redis_factory):
                 su.close()
             assert time.monotonic() < deadline, "reload not seen"
             time.sleep(0.05)
+    finally:
+        server.remove()
+
+
+def test_password_file_failure_logged_once_per_outage(redis_factory):
+    """The server-log line that names a failing password file comes once
+    per outage, not with every connection attempt: 1 000 calls of a session
+    under on_error = allow without a circuit breaker (retry_interval = 0)
+    add one line; a session of its own, one more. A cluster of its own, for
+    a log of its own."""
+    r = redis_factory(password=new_secret("pwlog"))
+    server = PgServer(r, on_error="allow")
+    path = os.path.join(server.base, "redis-password")
+    try:
+        use_password_file(server.port, path, "whatever\n", 0o644)
+        deadline = time.monotonic() + 10
+        while True:
+            with server.connect() as conn:
+                if conn.execute("SHOW rl_redis.password_file").fetchone()[0] == path:
+                    break
+            assert time.monotonic() < deadline, "reload not seen"
+            time.sleep(0.05)
+        for _ in range(2):
+            conn = server.connect()
+            try:
+                for i in range(1000):
+                    assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
+                                        ("pwlog:%d" % i,)).fetchone()[0] is True
+            finally:
+                conn.close()
+        # (the reload logs the setting's new value once, too)
+        lines = [line for line in server.log().splitlines()
+                 if path in line and "changed to" not in line]
+        assert len(lines) == 2, lines
+        assert all("group or world access" in line for line in lines), lines
+        assert r.cli("DBSIZE") == "0"
     finally:
         server.remove()

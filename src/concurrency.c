@@ -298,7 +298,7 @@ rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 static void
 rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0);
+	text	   *identity = rl_get_identity(fcinfo, 0, false);
 	RlLimit		limit = {NULL, 0, 0, 0};
 
 	if (PG_ARGISNULL(1))
@@ -327,7 +327,7 @@ static void
 rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
 {
 	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
-	text	   *identity = rl_get_identity(fcinfo, 1);
+	text	   *identity = rl_get_identity(fcinfo, 1, false);
 
 	if (!policy.concurrency)
 		ereport(ERROR,
@@ -393,7 +393,8 @@ rl_release_slot(const char *policy, text *identity)
 		ereport(WARNING,
 				(errcode(failure.sqlerrcode),
 				 errmsg_internal("%s", failure.message),
-				 errdetail("The slot is given back with the next call that reaches Redis, or when its lease ends.")));
+				 errdetail("The slot is given back with the next call that reaches Redis, or when its lease ends."),
+				 rl_failure_hint(&failure)));
 		return false;
 	}
 	released = reply->type == REDIS_REPLY_INTEGER && reply->integer == 1;
@@ -436,7 +437,7 @@ PG_FUNCTION_INFO_V1(rl_concurrency_release);
 Datum
 rl_concurrency_release(PG_FUNCTION_ARGS)
 {
-	PG_RETURN_BOOL(rl_release_slot(NULL, rl_get_identity(fcinfo, 0)));
+	PG_RETURN_BOOL(rl_release_slot(NULL, rl_get_identity(fcinfo, 0, true)));
 }
 
 PG_FUNCTION_INFO_V1(rl_acquire);
@@ -474,5 +475,5 @@ rl_release(PG_FUNCTION_ARGS)
 {
 	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
 
-	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1)));
+	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1, true)));
 }

@@ -48,38 +48,56 @@ StaticAssertDecl(3 * (Size) RL_MAX_IDENTITY_BYTES + 1024 < MaxAllocSize,
 				 "rl_redis.max_identity_bytes allows keys too long to be made");
 
 /*
- * Raises 22023 for an empty identity and 54000 for one longer than
- * rl_redis.max_identity_bytes: every identity, whichever way it came (an
- * argument, an element of a batch, a guarded row), passes here before
- * anything is sent to Redis. rel: the guarded table the identity comes
- * from, named in the error, or NULL.
+ * Raises 22023 for an empty identity and 54000 for one longer than its
+ * bound: every identity, whichever way it came (an argument, an element of
+ * a batch, a guarded row), passes here before anything is sent to Redis.
+ * The bound is rl_redis.max_identity_bytes where the identity can make
+ * state (a decision, a slot, a guard); existing: the identity only names
+ * state that exists (a release, a refund, rl_reset), which a bound lowered
+ * since it was made must not keep, so the bound is the setting's largest
+ * value, past which no state can exist (a refund of a key that does not
+ * exist makes none, see the scripts' decide with a negative cost). rel:
+ * the guarded table the identity comes from, named in the error, or NULL;
+ * a guard stops building its identity once it is too long, so len is then
+ * a lower bound.
  */
 void
-rl_check_identity(size_t len, Relation rel)
+rl_check_identity(size_t len, Relation rel, bool existing)
 {
+	int			bound = existing ? RL_MAX_IDENTITY_BYTES : rl_max_identity_bytes;
+
 	if (len == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("identity must not be empty"),
 				 rel ? errtable(rel) : 0));
-	if (len > (size_t) rl_max_identity_bytes)
+	if (len > (size_t) bound)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
-				 errmsg("identity is longer than rl_redis.max_identity_bytes (%d bytes)",
-						rl_max_identity_bytes),
-				 errdetail("The identity is %zu bytes long.", len),
+				 errmsg("identity is too long"),
+				 rel ?
+				 errdetail("The identity is at least %zu bytes long; the limit is %d bytes.",
+						   len, bound) :
+				 errdetail("The identity is %zu bytes long; the limit is %d bytes.",
+						   len, bound),
+				 existing ?
+				 errhint("No state exists for an identity longer than the largest rl_redis.max_identity_bytes.") :
+				 errhint("Use a shorter identity, or raise rl_redis.max_identity_bytes."),
 				 rel ? errtable(rel) : 0));
 }
 
-/* Returns argument argno as an identity (not null, see rl_check_identity). */
+/*
+ * Returns argument argno as an identity (not null, see rl_check_identity;
+ * existing: it only names state that exists).
+ */
 text *
-rl_get_identity(FunctionCallInfo fcinfo, int argno)
+rl_get_identity(FunctionCallInfo fcinfo, int argno, bool existing)
 {
 	text	   *identity;
 
 	rl_check_not_null(fcinfo, argno, "identity");
 	identity = PG_GETARG_TEXT_PP(argno);
-	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL);
+	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, existing);
 	return identity;
 }
 
@@ -331,13 +349,29 @@ rl_key_of(const char *key, size_t len, StringInfo tag)
 		memcmp(parts.tag, tag->data, tag->len) == 0;
 }
 
+/* errhint() with the advice of a failure, or 0 when it has none. */
+int
+rl_failure_hint(const RlFailure *failure)
+{
+	switch (failure->hint)
+	{
+		case RL_HINT_PRELOAD:
+			return errhint("Add rl_redis to shared_preload_libraries.");
+		case RL_HINT_PRELOAD_OR_FILE:
+			return errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file (without preloading, every role can read its path, not the password).");
+		default:
+			return 0;
+	}
+}
+
 /* Raises a failure as an error. */
 void
 rl_raise(const RlFailure *failure)
 {
 	ereport(ERROR,
 			(errcode(failure->sqlerrcode),
-			 errmsg_internal("%s", failure->message)));
+			 errmsg_internal("%s", failure->message),
+			 rl_failure_hint(failure)));
 }
 
 /*
@@ -373,7 +407,8 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 				 errmsg_internal("%s", failure->message),
 				 errdetail("Requests are %s without a decision from Redis because rl_redis.on_error is \"%s\".",
 						   d->allowed ? "allowed" : "denied",
-						   d->allowed ? "allow" : "deny")));
+						   d->allowed ? "allow" : "deny"),
+				 rl_failure_hint(failure)));
 }
 
 /* Fills in the failure of a reply that is not what the scripts return. */
@@ -649,7 +684,7 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
 	for (g = 0; g < sp->ncalls; g++)
 	{
 		RlDecision	gd;
-		RlFailure	gf;
+		RlFailure	gf = {0};
 		int			gi;
 		RlCharge   *gc = sp->group + sp->first[g];
 
@@ -794,7 +829,7 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	}
 	PG_CATCH();
 	{
-		RlFailure	ignored;
+		RlFailure	ignored = {0};
 
 		/* what came in is taken in (and given back) before the error goes on */
 		MemoryContextSwitchTo(cxt);
@@ -1382,7 +1417,7 @@ rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 					 errmsg("identities must not contain null")));
 		identities[i] = DatumGetTextPP(elems[i]);
-		rl_check_identity(VARSIZE_ANY_EXHDR(identities[i]), NULL);
+		rl_check_identity(VARSIZE_ANY_EXHDR(identities[i]), NULL, false);
 	}
 
 	InitMaterializedSRF(fcinfo, 0);

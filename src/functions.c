@@ -50,7 +50,7 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 	text	   *identity;
 	int32		cost;
 
-	identity = rl_get_identity(fcinfo, 0);
+	identity = rl_get_identity(fcinfo, 0, refund);
 	rl_limit_args(fcinfo, algorithm, &limit);
 	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
 
@@ -125,7 +125,7 @@ static void
 rl_admin_command(RlConn *conn, int argc, const char **argv,
 				 const size_t *argvlen)
 {
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	redisReply *reply = rl_command(conn, argc, argv, argvlen, &failure);
 
 	if (reply == NULL)
@@ -150,7 +150,7 @@ rl_reset_step(RlConn *conn, StringInfo pattern, StringInfo tag,
 	int			ndel = 1;
 	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
 	size_t		argvlen[6] = {4, strlen(cursor), 5, pattern->len, 5, 4};
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	redisReply *reply = rl_command(conn, 6, argv, argvlen, &failure);
 	redisReply *keys;
 	const char **del;
@@ -230,8 +230,8 @@ PG_FUNCTION_INFO_V1(rl_reset);
 Datum
 rl_reset(PG_FUNCTION_ARGS)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0);
-	RlFailure	failure;
+	text	   *identity = rl_get_identity(fcinfo, 0, true);
+	RlFailure	failure = {0};
 	RlConn	  **conns;
 	int			n;
 	int			i;
@@ -280,7 +280,7 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 	const char *argv[1] = {"PING"};
 	size_t		argvlen[1] = {4};
 	RlConn	  **conns;
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	int			n;
 	int			i;
 	double		worst = 0;

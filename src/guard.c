@@ -452,7 +452,9 @@ rl_guard_append(StringInfo buf, const char *value, int len, bool escape)
  * identity column as is, or the texts of several, each with '\' and ':'
  * escaped, joined with ':'. Integers and text are written directly, other
  * types through their output functions, under fixed settings when the
- * guard has a column whose text depends on them.
+ * guard has a column whose text depends on them. Once the identity is
+ * longer than rl_redis.max_identity_bytes, the columns after it are not
+ * written (nor their output functions run): rl_check_identity refuses it.
  */
 static void
 rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
@@ -556,10 +558,12 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 					break;
 				}
 		}
+		if (buf->len > rl_max_identity_bytes)
+			break;
 	}
 	if (nestlevel >= 0)
 		AtEOXact_GUC(true, nestlevel);
-	rl_check_identity(buf->len, rel);
+	rl_check_identity(buf->len, rel, false);
 }
 
 /*

@@ -13,7 +13,8 @@
  * pg_db_role_setting, so the check hook refuses those) or from the file that
  * rl_redis.password_file names. The transport gets it through
  *
- *	bool rl_read_password(char *buf, size_t size, char *err, size_t errsize);
+ *	bool rl_read_password(bool sentinel, bool log, char *buf, size_t size,
+ *						  char *err, size_t errsize, RlHint *hint);
  */
 #include "postgres.h"
 
@@ -182,16 +183,17 @@ check_sentinel_password(char **newval, void **extra, GucSource source)
 
 /*
  * Fills err (errsize bytes) with why the password file cannot be used,
- * what (a clause about "the file"), and puts the file's path in the server
- * log only: the path is hidden from ordinary roles, and err may reach any
- * role that calls.
+ * what (a clause about "the file"), and with log puts the file's path in
+ * the server log only: the path is hidden from ordinary roles, and err may
+ * reach any role that calls.
  */
 static void
-rl_password_file_failed(const char *what, char *err, size_t errsize)
+rl_password_file_failed(const char *what, bool log, char *err, size_t errsize)
 {
 	snprintf(err, errsize, "rl_redis.password_file: %s", what);
-	ereport(LOG_SERVER_ONLY,
-			(errmsg("rl_redis.password_file \"%s\": %s", rl_password_file, what)));
+	if (log)
+		ereport(LOG_SERVER_ONLY,
+				(errmsg("rl_redis.password_file \"%s\": %s", rl_password_file, what)));
 }
 
 /*
@@ -203,12 +205,16 @@ rl_password_file_failed(const char *what, char *err, size_t errsize)
  * it until the library was loaded), when the file cannot be read, is not a
  * plain file, is group or world accessible (like libpq's passfile), or its
  * first line is empty, or when the password is longer than size - 1
- * bytes. err never holds a secret or the file's path. Never raises: it is
- * called while connecting.
+ * bytes. err never holds a secret or the file's path, and hint is set to
+ * the advice for the failure (or RL_HINT_NONE); with log, a failure
+ * of the file is also written, with the path, to the server log (the
+ * caller logs the failure that starts an outage only, so that calls cannot
+ * flood the log). It is called while connecting: it raises only when that
+ * log line cannot be written, and the file is closed by then.
  */
 bool
-rl_read_password(bool sentinel, char *buf, size_t size, char *err,
-				 size_t errsize)
+rl_read_password(bool sentinel, bool log, char *buf, size_t size, char *err,
+				 size_t errsize, RlHint *hint)
 {
 	const char *name = sentinel ? "rl_redis.sentinel_password" : "rl_redis.password";
 	const char *value = sentinel ? rl_sentinel_password : rl_password;
@@ -221,6 +227,7 @@ rl_read_password(bool sentinel, char *buf, size_t size, char *err,
 
 	if (errsize > 0)
 		err[0] = '\0';
+	*hint = RL_HINT_NONE;
 	if (size == 0)
 	{
 		snprintf(err, errsize, "no room for the password");
@@ -233,8 +240,9 @@ rl_read_password(bool sentinel, char *buf, size_t size, char *err,
 		if (!secrets_hidden)
 		{
 			snprintf(err, errsize,
-					 "%s is not used without rl_redis in shared_preload_libraries, as every role could read it before the library was loaded; preload the library%s",
-					 name, sentinel ? "" : " or use rl_redis.password_file");
+					 "%s is not used without rl_redis in shared_preload_libraries",
+					 name);
+			*hint = sentinel ? RL_HINT_PRELOAD : RL_HINT_PRELOAD_OR_FILE;
 			return false;
 		}
 		if (strlen(value) >= size)
@@ -253,7 +261,7 @@ rl_read_password(bool sentinel, char *buf, size_t size, char *err,
 	if (fd < 0)
 	{
 		snprintf(what, sizeof(what), "could not open the file: %s", strerror(errno));
-		rl_password_file_failed(what, err, errsize);
+		rl_password_file_failed(what, log, err, errsize);
 		return false;
 	}
 	if (fstat(fd, &st) != 0)
@@ -327,12 +335,12 @@ read_failed:
 	snprintf(what, sizeof(what), "could not read the file: %s", strerror(errno));
 
 done:
+	close(fd);
 	if (!ok)
 	{
 		explicit_bzero(buf, size);
-		rl_password_file_failed(what, err, errsize);
+		rl_password_file_failed(what, log, err, errsize);
 	}
-	close(fd);
 	return ok;
 }
 
@@ -530,7 +538,7 @@ rl_define_gucs(void)
 		ereport(WARNING,
 				(errmsg("rl_redis.password is not used because the rl_redis library is not in shared_preload_libraries"),
 				 errdetail("Every role could read the setting before the library was loaded."),
-				 errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file.")));
+				 errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file (without preloading, every role can read its path, not the password).")));
 
 	DefineCustomStringVariable("rl_redis.password_file",
 							   "File whose first line is the Redis password sent with AUTH.",

@@ -263,7 +263,7 @@ static void
 rl_check_policy(FunctionCallInfo fcinfo, bool refund, RlDecision *d)
 {
 	RlPolicy	policy = rl_rate_policy_arg(fcinfo, 0);
-	text	   *identity = rl_get_identity(fcinfo, 1);
+	text	   *identity = rl_get_identity(fcinfo, 1, refund);
 	int32		cost = rl_get_cost(fcinfo, 2, refund ? "amount" : "cost");
 
 	rl_decide_limit(&policy.limit, identity, policy.name,
@@ -355,7 +355,7 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("policies must not be empty")));
-	identity = rl_get_identity(fcinfo, 1);
+	identity = rl_get_identity(fcinfo, 1, false);
 	cost = rl_get_cost(fcinfo, 2, "cost");
 
 	/* look every policy up, once each */

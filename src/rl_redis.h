@@ -158,9 +158,17 @@ extern bool rl_connection_settings_changed;
 /* the most host:port items rl_redis.nodes may name */
 #define RL_MAX_SEEDS 64
 
+/* advice for the HINT of a failure (rl_failure_hint); 0: none */
+typedef enum RlHint
+{
+	RL_HINT_NONE = 0,
+	RL_HINT_PRELOAD,			/* a password setting needs preloading */
+	RL_HINT_PRELOAD_OR_FILE		/* the same, or rl_redis.password_file */
+} RlHint;
+
 extern void rl_define_gucs(void);
-extern bool rl_read_password(bool sentinel, char *buf, size_t size,
-							 char *err, size_t errsize);
+extern bool rl_read_password(bool sentinel, bool log, char *buf, size_t size,
+							 char *err, size_t errsize, RlHint *hint);
 extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
 extern bool rl_parse_redirect_node(const char *s, const char *default_host,
 								   char *host, int *port);
@@ -175,6 +183,7 @@ typedef struct RlFailure
 	int			sqlerrcode;
 	bool		first_in_outage;	/* the failure that began an outage */
 	bool		breaker_opened; /* it opened the circuit breaker */
+	RlHint		hint;
 	char		message[512];
 } RlFailure;
 
@@ -549,8 +558,9 @@ extern bool rl_key_of(const char *key, size_t len, StringInfo tag);
 extern StringInfo rl_copy_key(StringInfo key);
 extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 							  const char *name);
-extern void rl_check_identity(size_t len, Relation rel);
-extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
+extern void rl_check_identity(size_t len, Relation rel, bool existing);
+extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno,
+							 bool existing);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);
 extern void rl_decide_batch(const RlLimit *limit, text **identities, int n,
@@ -580,6 +590,7 @@ extern bool rl_decide_many(RlCharge *charges, int n, bool by_guard,
 extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
 extern void rl_count_fallback(RlCharge *charges, int n, const RlDecision *d);
+extern int	rl_failure_hint(const RlFailure *failure);
 extern void rl_raise(const RlFailure *failure);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);

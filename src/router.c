@@ -871,7 +871,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 
 		if (reply == NULL)
 		{
-			RlFailure	again;
+			RlFailure	again = {0};
 			RlConn	   *other;
 
 			rl_route_failed(conn);

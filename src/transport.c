@@ -488,7 +488,7 @@ rl_send_queued(RlConn *except)
 		{
 			const char *argv[1] = {"PING"};
 			size_t		argvlen[1] = {4};
-			RlFailure	failure;
+			RlFailure	failure = {0};
 			redisReply *reply;
 
 			/* a server in an outage gets its work with its own next call */
@@ -591,6 +591,7 @@ rl_fail(RlConn *conn, RlFailure *failure, int sqlerrcode, const char *fmt,...)
 	va_list		ap;
 
 	failure->sqlerrcode = sqlerrcode;
+	failure->hint = RL_HINT_NONE;
 	va_start(ap, fmt);
 	vsnprintf(failure->message, sizeof(failure->message), fmt, ap);
 	va_end(ap);
@@ -1240,11 +1241,16 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 		bool		ok;
 		bool		sentinel = conn->kind == RL_CONN_SENTINEL;
 
-		if (!rl_read_password(sentinel, password, sizeof(password), err,
-							  sizeof(err)))
+		RlHint		hint;
+
+		/* logged when it starts an outage (rl_breaker_failed) */
+		if (!rl_read_password(sentinel, conn->breaker.outage_start == 0,
+							  password, sizeof(password), err, sizeof(err),
+							  &hint))
 		{
 			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
 					"could not connect to Redis at %s: %s", conn->address, err);
+			failure->hint = hint;
 			return false;
 		}
 		if (password[0] != '\0')
@@ -1871,7 +1877,7 @@ rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline)
 static void
 rl_flush_queue(RlConn *conn, TimestampTz deadline)
 {
-	RlFailure	failure;
+	RlFailure	failure = {0};
 	RlHold		hold;
 
 	if (conn->queue_count == 0)
@@ -2076,7 +2082,7 @@ rl_transport_exit(int code, Datum arg)
 	HOLD_INTERRUPTS();
 	for (conn = conn_list; conn != NULL; conn = conn->next)
 	{
-		RlFailure	failure;
+		RlFailure	failure = {0};
 		RlHold		hold;
 
 		if (conn->queue_count == 0 && conn->pending_replies == 0)

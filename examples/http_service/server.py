@@ -518,10 +518,12 @@ class App:
 
     def _answer(self, path, params, res, err):
         if err is not None:
-            if err.sqlstate in ("22023", "42704"):
+            if err.sqlstate in ("22023", "42704", "54000"):
                 # invalid_parameter_value (a sliding limit above rl_redis.sliding_max_lim,
-                # a concurrency policy), undefined_object (no such policy): the request
-                return 400, {"error": self._client_error(path, err.message)}, ()
+                # a concurrency policy), undefined_object (no such policy),
+                # program_limit_exceeded (an identity over rl_redis.max_identity_bytes):
+                # the request
+                return 400, {"error": self._client_error(path, err)}, ()
             return self._unavailable(path, params, err)
 
         allowed = res.get_value(0, 0) == b"t"
@@ -550,10 +552,12 @@ class App:
         }, headers
 
     @staticmethod
-    def _client_error(path, message):
+    def _client_error(path, err):
+        if err.sqlstate == "54000":
+            return "identity rejected by the database: %s" % err.message
         if path == POLICY:
-            return "policy: %s" % message
-        return "limit or windowSeconds rejected by the database: %s" % message
+            return "policy: %s" % err.message
+        return "limit or windowSeconds rejected by the database: %s" % err.message
 
     @staticmethod
     def _unavailable(path, params, e):
