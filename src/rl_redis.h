@@ -209,7 +209,6 @@ extern ssize_t rl_tls_write(RlTls *tls, const char *buf, size_t len,
 							uint32 *want, char *errbuf, size_t errsize);
 extern ssize_t rl_tls_read(RlTls *tls, char *buf, size_t len, uint32 *want,
 						   char *errbuf, size_t errsize);
-extern bool rl_tls_pending(RlTls *tls);
 extern bool rl_tls_alive(RlTls *tls);
 extern void rl_tls_free(RlTls *tls);
 
@@ -360,6 +359,7 @@ extern int	rl_key_slot(const char *key, size_t len);
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
 extern RlConn *rl_route_known(const char *key, size_t keylen);
 extern int	rl_route_slot(const char *key, size_t keylen);
+extern bool rl_error_not_run(const char *error);
 extern int	rl_route_all(RlConn ***conns, RlFailure *failure);
 extern redisReply *rl_call(const char *key, size_t keylen,
 						   const RlScript *script, int argc, const char **argv,
