@@ -378,6 +378,7 @@ typedef struct RlCall
 	redisReply *reply;			/* filled in: the reply, or NULL */
 	RlConn	   *conn;			/* filled in: where it went */
 	RlFailure	failure;		/* filled in when reply is NULL */
+	bool		sent;			/* filled in: it may have reached Redis */
 } RlCall;
 
 extern void rl_call_many(RlCall *calls, int n);
@@ -406,7 +407,7 @@ extern int	rl_shared_take(int i, RlCall *call, int *script_id,
 						   RlDeferred *work);
 extern void rl_shared_deferred_done(int i);
 extern void rl_shared_complete(int i, const redisReply *reply,
-							   const RlFailure *failure);
+							   const RlFailure *failure, bool sent);
 
 /* the rl_redis worker (worker.c) */
 extern void rl_worker_register(void);

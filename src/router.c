@@ -984,6 +984,7 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 		if (!todo[i])
 			continue;
 		calls[i].reply = NULL;
+		calls[i].sent = false;
 		memset(&calls[i].failure, 0, sizeof(RlFailure));
 		conn = rl_route(calls[i].key, calls[i].keylen, &calls[i].failure);
 		calls[i].conn = conn;
@@ -1030,12 +1031,17 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 			members[k++] = i;
 		}
 		if (rl_pipeline_send(conns[c], k, cmds, -1, &failure))
+		{
+			for (i = 0; i < k; i++)
+				calls[members[i]].sent = true;
 			continue;
+		}
 		if (rl_mode != RL_MODE_STANDALONE)
 			rl_route_failed(conns[c]);
 		for (i = 0; i < k; i++)
 		{
 			calls[members[i]].failure = failure;
+			calls[members[i]].sent = rl_command_was_sent(conns[c]);
 			again[members[i]] = !rl_command_was_sent(conns[c]) &&
 				rl_mode != RL_MODE_STANDALONE;
 			group[members[i]] = -1;
@@ -1169,6 +1175,8 @@ rl_call_many(RlCall *calls, int n)
 		calls[i].reply = rl_call(calls[i].key, calls[i].keylen, calls[i].script,
 								 calls[i].argc, calls[i].argv, calls[i].argvlen,
 								 &calls[i].conn, &calls[i].failure);
+		calls[i].sent = calls[i].reply != NULL ||
+			(calls[i].conn != NULL && rl_command_was_sent(calls[i].conn));
 	}
 	pfree(todo);
 	pfree(noscript);

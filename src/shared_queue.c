@@ -97,6 +97,7 @@ typedef struct RlSlot
 	char		request[RL_SLOT_REQUEST];	/* (uint32 length, bytes) each */
 	/* the result */
 	bool		failed;
+	bool		sent;			/* of a failed call: it may have reached Redis */
 	RlFailure	failure;
 	int			reply_len;
 	char		reply[RL_SLOT_REPLY];	/* in the Redis protocol */
@@ -561,6 +562,8 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	/* DONE: the slot is ours until it is freed */
 	if (slot->failed)
 	{
+		/* whether the worker sent it (not when it could not connect) */
+		rl_conn_note_sent(own, slot->sent);
 		*failure = slot->failure;
 		rl_release_slot(slot);
 		return NULL;
@@ -718,6 +721,7 @@ rl_shared_worker_stop(void)
 		else if (slot->state == RL_SLOT_TAKEN)
 		{
 			slot->failed = true;
+			slot->sent = true;
 			slot->failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
 			slot->failure.first_in_outage = true;
 			slot->failure.breaker_opened = false;
@@ -873,11 +877,13 @@ rl_encode_reply(StringInfo buf, const redisReply *reply)
 
 /*
  * The worker hands back the result of the call it took from slot i: the
- * reply (not freed here), or the failure when reply is NULL; the session
- * is woken. A session that stopped waiting gets nothing: the slot is freed.
+ * reply (not freed here), or the failure when reply is NULL, and whether
+ * the call may have reached Redis (sent); the session is woken. A session
+ * that stopped waiting gets nothing: the slot is freed.
  */
 void
-rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure)
+rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure,
+				   bool sent)
 {
 	RlSlot	   *slot = &queue->slots[i];
 	StringInfoData buf;
@@ -892,6 +898,7 @@ rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure)
 	if (reply != NULL)
 		rl_encode_reply(&buf, reply);
 	slot->failed = reply == NULL || buf.len > RL_SLOT_REPLY;
+	slot->sent = reply != NULL || sent;
 	if (reply == NULL)
 		slot->failure = *failure;
 	else if (buf.len > RL_SLOT_REPLY)
