@@ -462,8 +462,8 @@ rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
  * own connection instead: see the file's header; settings is the hash of
  * this session's connection settings. The call is accounted to own, the
  * session's connection to the server: whether it may have reached Redis
- * (the worker took it) is noted there (rl_conn_note_sent), also when an
- * error ends the wait. The wait ends at the latest after connect_timeout
+ * (the worker took it, and did not report that it never sent it) is noted
+ * there (rl_conn_note_sent), also when an error ends the wait. The wait ends at the latest after connect_timeout
  * plus command_timeout; an interrupt (cancel, statement_timeout) raises its
  * error from inside, and the reply of that call is then dropped by the
  * worker.
