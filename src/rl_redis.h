@@ -403,6 +403,7 @@ extern void rl_shared_worker_settings(uint64 settings);
 extern void rl_shared_worker_stop(void);
 extern int	rl_shared_slots(void);
 extern void rl_shared_defer_wait(TimestampTz deadline);
+extern bool rl_shared_settled(TimestampTz deadline);
 extern int	rl_shared_take(int i, RlCall *call, int *script_id,
 						   RlDeferred *work);
 extern void rl_shared_deferred_done(int i);

@@ -123,6 +123,9 @@ static RlQueue *queue = NULL;
 /* this process is the worker: its own calls never go through the queue */
 static bool am_worker = false;
 
+/* a call this session gave up was still with the worker (rl_shared_settled) */
+static bool gave_up_taken = false;
+
 /* the slot this session waits on, for its exit (a FATAL skips PG_CATCH) */
 static RlSlot *waiting_slot = NULL;
 static bool exit_registered = false;
@@ -253,10 +256,57 @@ rl_give_up_slot(RlSlot *slot)
 		state == RL_SLOT_FILLING)
 		slot->state = RL_SLOT_FREE;
 	else if (state == RL_SLOT_TAKEN)
+	{
 		slot->state = RL_SLOT_ABANDONED;
+		gave_up_taken = true;
+	}
 	SpinLockRelease(&slot->mutex);
 	waiting_slot = NULL;
 	return state == RL_SLOT_TAKEN || state == RL_SLOT_DONE;
+}
+
+/*
+ * Waits until no call this session gave up is still on its way through the
+ * worker (a slot ABANDONED, which the worker frees when the call is done),
+ * or deadline passes (0: none); true when none is. What undoes such a call
+ * (a slot release) and goes on another connection must not overtake it.
+ * Interrupts are served here, unless held (a transaction end: the deadline
+ * bounds it then).
+ */
+bool
+rl_shared_settled(TimestampTz deadline)
+{
+	while (gave_up_taken)
+	{
+		bool		busy = false;
+		long		left = RL_WORKER_CHECK_MS;
+		int			i;
+
+		for (i = 0; i < queue->nslots && !busy; i++)
+		{
+			RlSlot	   *slot = &queue->slots[i];
+
+			SpinLockAcquire(&slot->mutex);
+			busy = slot->owner == MyProc && slot->state == RL_SLOT_ABANDONED;
+			SpinLockRelease(&slot->mutex);
+		}
+		if (!busy)
+		{
+			gave_up_taken = false;
+			break;
+		}
+		if (deadline != 0)
+		{
+			left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), deadline);
+			if (left <= 0)
+				return false;
+		}
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 Min(left, RL_WORKER_CHECK_MS), PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+		CHECK_FOR_INTERRUPTS();
+	}
+	return true;
 }
 
 /* Frees a deferred slot (under its lock): no session's any more. */
@@ -731,7 +781,10 @@ rl_shared_worker_stop(void)
 			owner = slot->owner;
 		}
 		else if (slot->state == RL_SLOT_ABANDONED)
+		{
 			slot->state = RL_SLOT_FREE;
+			owner = slot->owner;	/* it may wait in rl_shared_settled */
+		}
 		SpinLockRelease(&slot->mutex);
 		if (owner != NULL)
 			SetLatch(&owner->procLatch);
@@ -919,7 +972,10 @@ rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure,
 
 	SpinLockAcquire(&slot->mutex);
 	if (slot->state == RL_SLOT_ABANDONED)
+	{
 		slot->state = RL_SLOT_FREE;
+		owner = slot->owner;	/* it may wait in rl_shared_settled */
+	}
 	else if (slot->state == RL_SLOT_TAKEN)
 	{
 		slot->state = RL_SLOT_DONE;

@@ -1464,9 +1464,12 @@ rl_queue_unconfirmed(RlConn *conn)
 /*
  * Writes the queued commands not written yet to the open connection, going
  * on where an earlier write stopped, before deadline; their replies are
- * read by rl_read_pending. False on failure (the connection discarded), or
- * when the deadline passed first (failure->sqlerrcode 0; the connection
- * kept, and the next write goes on from there).
+ * read by rl_read_pending. A call of the session that the worker of the
+ * shared transport still has (an acquire the session gave up waiting for)
+ * is waited for first: the release that undoes it must not overtake it.
+ * False on failure (the connection discarded), or when the deadline passed
+ * first (failure->sqlerrcode 0; the connection kept, and the next write
+ * goes on from there).
  */
 static bool
 rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
@@ -1477,6 +1480,11 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	rl_queue_trim(conn);
 	if (conn->pending_replies == conn->queue_count)
 		return true;
+	if (conn->kind == RL_CONN_SERVER && !rl_shared_settled(deadline))
+	{
+		failure->sqlerrcode = 0;
+		return false;
+	}
 	conn->queue_write_from = rl_queue_offset(conn, conn->pending_replies) +
 		conn->queue_partial;
 	conn->queue_write_done = 0;
