@@ -8,7 +8,6 @@ request, nothing answers.
 
 import os
 import pwd
-import socket
 import threading
 import time
 
@@ -16,7 +15,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import TcpProxy, new_ident, pg_connect, rl_key, set_gucs, use_redis
 from redis_topology import wait_for
 
 LONG_WINDOW_MS = 600000
@@ -960,72 +959,16 @@ def test_xact_ends_in_an_outage_return_at_once(pg, redis_factory, outage):
     assert warnings_of(notices) == warned
 
 
-class CuttingProxy:
-    """A TCP proxy on 127.0.0.1:<port> in front of a Redis. cut() turns the
-    connections open then into black holes (nothing goes either way any
-    more, nothing is closed), as a connection through a failed-over address
-    or a lost NAT entry; connections made after it go through. Has .port
-    and .unix_socket (None), like a RedisServer, for use_redis."""
-
-    def __init__(self, target_port):
-        self.target_port = target_port
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(16)
-        self.port = self.listener.getsockname()[1]
-        self.unix_socket = None
-        self.pairs = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target_port))
-            pair = {"cut": False, "sockets": (client, server)}
-            self.pairs.append(pair)
-            threading.Thread(target=self._pipe, args=(pair, client, server), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(pair, server, client), daemon=True).start()
-
-    @staticmethod
-    def _pipe(pair, src, dst):
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                if not pair["cut"]:
-                    dst.sendall(data)
-        except OSError:
-            pass
-
-    def cut(self):
-        for pair in self.pairs:
-            pair["cut"] = True
-
-    def close(self):
-        self.listener.close()
-        for pair in self.pairs:
-            for s in pair["sockets"]:
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-
 def test_connection_with_unanswered_interrupted_call_is_dropped(pg, redis_factory):
     """A call is cancelled (statement_timeout) on a connection that then
-    never answers again (CuttingProxy.cut: a black hole, never closed):
+    never answers again (TcpProxy.cut: a black hole, never closed):
     only the cancelled call's reply was due, so the next call, once its wait
     for it times out (command_timeout), drops the connection (nothing is
     lost), and the call after it connects again and is answered (before,
     the connection was kept for ever and every call failed with "still
     busy with rate-limit work of earlier transaction ends")."""
     r = redis_factory()
-    proxy = CuttingProxy(r.port)
+    proxy = TcpProxy(r.port)
     try:
         use_redis(pg, proxy, command_timeout=300, on_error="error")
         identity = new_ident("black_hole")
