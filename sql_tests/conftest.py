@@ -484,6 +484,73 @@ PGBIN = os.environ.get("RL_PGBIN") or subprocess.run(
 ).stdout.strip()
 
 
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1:<port> in front of a Redis: what a client
+    sends goes on at once, what Redis answers is held `delay` seconds before
+    it goes back. cut() turns the connections open then into black holes
+    (nothing goes either way any more, nothing is closed), as a connection
+    through a failed-over address or a lost NAT entry; connections made
+    after it go through. Has .port and .unix_socket (None), like a
+    RedisServer, for use_redis; close() ends it."""
+
+    def __init__(self, target_port, delay=0):
+        self.target_port, self.delay = target_port, delay
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.unix_socket = None
+        self.pairs = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            pair = {"cut": False, "sockets": (client, server)}
+            self.pairs.append(pair)
+            threading.Thread(target=self._pipe, args=(pair, client, server, 0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(pair, server, client, self.delay),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pipe(pair, src, dst, delay):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if delay:
+                    time.sleep(delay)
+                if not pair["cut"]:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self):
+        for pair in self.pairs:
+            pair["cut"] = True
+
+    def close(self):
+        self.listener.close()
+        for pair in self.pairs:
+            for s in pair["sockets"]:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
 def as_owner(argv):
     """argv as the cluster's owner (postgres when the tests run as root)."""
     if os.geteuid() == 0:

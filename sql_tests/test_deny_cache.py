@@ -21,7 +21,7 @@ A refund bumps the counter before it reaches Redis; one test stops Redis
 to make a lookup fall between the two (the call that misses the cache runs
 in Redis before the refund) and checks that the pre-refund denial does not
 stay remembered afterwards. Another puts a TCP proxy that holds Redis's
-replies 1 s (DelayingProxy, a thread) in front of one session, so that a
+replies 1 s (conftest's TcpProxy, a thread) in front of one session, so that a
 refund lands between its call's sending and its reply: a denial is stored
 only when no refund or reset came between. Only work that gives units back
 empties the caches: a forget call (a token bucket charge committed under
@@ -36,7 +36,6 @@ with and without the cache side by side and predicts the cache exactly.
 """
 
 import random
-import socket
 import threading
 import time
 import uuid
@@ -47,7 +46,7 @@ import psycopg.rows
 import pytest
 from psycopg import sql
 
-from conftest import QueryThread, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import QueryThread, TcpProxy, new_ident, pg_connect, rl_key, set_gucs, use_redis
 from test_stats import stats_row
 from redis_topology import made_policies, wait_for
 
@@ -667,62 +666,6 @@ def test_refund_landing_after_a_lookup_is_not_lost(sessions, redis_factory, pg):
     assert (scripts.new(), row[0]) == (1, not raced[0]), (raced, row)
 
 
-class DelayingProxy:
-    """A TCP proxy on 127.0.0.1:<port> in front of a Redis: what a client
-    sends goes on at once, what Redis answers is held `delay` seconds
-    before it goes back. Has .port and .unix_socket (None), like a
-    RedisServer, for use_redis; close() ends it."""
-
-    def __init__(self, target_port, delay):
-        self.target_port, self.delay = target_port, delay
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(16)
-        self.port = self.listener.getsockname()[1]
-        self.unix_socket = None
-        self.sockets = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target_port))
-            self.sockets += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, 0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self.delay), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst, delay):
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                if delay:
-                    time.sleep(delay)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self):
-        self.listener.close()
-        for s in self.sockets:
-            try:
-                s.close()
-            except OSError:
-                pass
-
-
 def test_denial_decided_before_a_refund_is_not_remembered(sessions, pg):
     """A refund landing while a denial is on its way back: S1
     (refund_on_abort = 'all') takes the one unit (lim 1) in a transaction;
@@ -734,7 +677,7 @@ def test_denial_decided_before_a_refund_is_not_remembered(sessions, pg):
     denied from the cache, without Redis, until the window's end)."""
     s1 = sessions(cache=False, refund_on_abort="all")
     r = sessions.redis
-    proxy = DelayingProxy(r.port, 1.0)
+    proxy = TcpProxy(r.port, delay=1.0)
     try:
         s2 = sessions(proxy, command_timeout=10000, connect_timeout=10000)
         ident = new_ident("inflight")

@@ -15,7 +15,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import TcpProxy, new_ident, pg_connect, rl_key, set_gucs, use_redis
 from redis_topology import wait_for
 
 LONG_WINDOW_MS = 600000
@@ -897,3 +897,151 @@ def test_reload_with_same_settings_keeps_the_connection(pg, redis_factory):
         assert allow(pg, identity) is True
     # only redis-cli's own INFO connections are new
     assert connections() - before == 1
+
+
+def queued_of(pg):
+    """The commands of transaction ends this session's connections hold."""
+    return pg.execute("SELECT coalesce(sum(queued), 0)::int FROM rl_redis_connections()").fetchone()[0]
+
+
+@pytest.mark.parametrize("outage", ["refused", "hung"])
+def test_xact_ends_in_an_outage_return_at_once(pg, redis_factory, outage):
+    """A slot release is queued while Redis is away (stopped: connections
+    are refused; or hung, SIGSTOP: the kernel accepts, nothing answers),
+    rl_redis.xact_end_budget 300 ms, the breaker on (retry_interval 60 s).
+    The transaction end that queued it tries once (refused: a WARNING whose
+    detail says why); the next 20 transaction ends, which use no rate limit
+    at all, consult the breaker and return at once, without another
+    WARNING (before, each connected again: refused, 20 WARNINGs; hung, each
+    waited the whole budget, 6 s in all). Once Redis is back the work is
+    done: hung, Redis runs the release it was sent; refused, the session's
+    next call sends it."""
+    r = redis_factory()
+    use_redis(pg, r, xact_end_budget=300, retry_interval=60000, command_timeout=1000)
+    notices = collect_notices(pg)
+    identity = new_ident("outage_" + outage)
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
+    if outage == "refused":
+        r.stop()
+    else:
+        r.pause()
+    try:
+        pg.execute("COMMIT")
+        t0 = time.monotonic()
+        for i in range(20):
+            if i % 2:
+                pg.execute("SELECT 1")
+            else:
+                pg.execute("BEGIN")
+                pg.execute("SELECT 1")
+                pg.execute("COMMIT")
+        elapsed = time.monotonic() - t0
+    finally:
+        if outage == "refused":
+            r.start()
+        else:
+            r.resume()
+    assert elapsed < 20 * 0.3 / 3, elapsed
+    warned = warnings_of(notices)
+    if outage == "refused":
+        assert len(warned) == 1, warned
+        assert "Connection refused" in (warned[0].message_detail or ""), warned[0].message_detail
+        assert queued_of(pg) == 1
+        set_gucs(pg, retry_interval=0)  # (a setting assigned: the breaker lets the next call try)
+        assert allow(pg, new_ident("outage_next")) is True
+        assert queued_of(pg) == 0
+    else:
+        assert warned == []
+        wait_for(lambda: int(r.cli("EXISTS", slot_key_long(identity))) == 0, 5.0,
+                 "the release after Redis woke")
+    assert warnings_of(notices) == warned
+
+
+def test_connection_with_unanswered_interrupted_call_is_dropped(pg, redis_factory):
+    """A call is cancelled (statement_timeout) on a connection that then
+    never answers again (TcpProxy.cut: a black hole, never closed):
+    only the cancelled call's reply was due, so the next call, once its wait
+    for it times out (command_timeout), drops the connection (nothing is
+    lost), and the call after it connects again and is answered (before,
+    the connection was kept for ever and every call failed with "still
+    busy with rate-limit work of earlier transaction ends")."""
+    r = redis_factory()
+    proxy = TcpProxy(r.port)
+    try:
+        use_redis(pg, proxy, command_timeout=300, on_error="error")
+        identity = new_ident("black_hole")
+        assert allow(pg, identity) is True
+        proxy.cut()
+        pg.execute("SET statement_timeout = '100ms'")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            pg.execute(ALLOW, (identity,))
+        pg.execute("RESET statement_timeout")
+        with pytest.raises(psycopg.errors.ConnectionFailure):
+            pg.execute(ALLOW, (identity,))
+        assert allow(pg, identity) is True
+        assert allow(pg, identity) is True
+    finally:
+        proxy.close()
+
+
+def test_interrupted_call_answered_then_connection_closed(pg, redis_factory):
+    """A call is cancelled while Redis hangs; Redis then answers it and
+    closes the connection (CLIENT KILL). The next call reads and drops the
+    cancelled call's reply, finds the connection closed (the liveness check,
+    after the dropped replies) and connects again: it gets its answer
+    (before, it was written to the closed connection and failed)."""
+    r = redis_factory()
+    use_redis(pg, r, command_timeout=2000, on_error="error")
+    identity = new_ident("skip_then_kill")
+    assert allow(pg, identity) is True
+    r.pause()
+    try:
+        pg.execute("SET statement_timeout = '100ms'")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            pg.execute(ALLOW, (identity,))
+        pg.execute("RESET statement_timeout")
+    finally:
+        r.resume()
+    # Redis ran the cancelled call (2 units), then closes the connection
+    wait_for(lambda: int(r.cli("ZCARD", allow_key(identity))) == 2, 5.0,
+             "Redis to run the cancelled call")
+    assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
+    assert in_sync_call(pg, identity) == (True, 777)
+
+
+def test_release_refused_by_a_replica_stays_queued(pg, redis_factory):
+    """The transaction end connects again to the address it resolved before,
+    where a server that has become a replica now answers READONLY (a DNS
+    failover endpoint's old IP): the slot release was not run there, so it
+    stays queued (no WARNING, nothing lost) and the transaction end does not
+    try that address again; once the server is a master again, the
+    session's next call (which resolves the name again) sends it and the
+    slot is free (before, the release was dropped with a WARNING)."""
+    r = redis_factory()
+    master = redis_factory()
+    use_redis(pg, r, on_error="error")
+    notices = collect_notices(pg)
+    identity = new_ident("readonly")
+    key = slot_key_long(identity)
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    members = r.command("ZRANGE", key, "0", "-1", "WITHSCORES")
+    assert len(members) == 2
+    assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
+    r.cli("REPLICAOF", "127.0.0.1", str(master.port))
+    wait_for(lambda: "master_link_status:up" in r.cli("INFO", "replication"), 10.0,
+             "the replica to sync")
+    pg.execute("COMMIT")
+    assert warnings_of(notices) == []
+    assert queued_of(pg) == 1
+    pg.execute("SELECT 1")  # another transaction end: nothing to do there
+    assert queued_of(pg) == 1
+    r.cli("REPLICAOF", "NO", "ONE")
+    # the slot as it was before the sync emptied the server
+    r.command("ZADD", key, members[1], members[0])
+    assert allow(pg, new_ident("readonly_next")) is True
+    assert queued_of(pg) == 0
+    assert int(r.cli("EXISTS", key)) == 0
+    assert warnings_of(notices) == []

@@ -1490,3 +1490,35 @@ def test_queue_size_setting_without_preloading(clusters):
             assert server.worker_pids() == []
         finally:
             conn.close()
+
+
+def test_calls_the_worker_never_sent_queue_no_release(clusters):
+    """Redis is down (stopped: connections refused): the worker fails the
+    acquires of a shared session without sending them (its connect fails,
+    then its breaker is open), and says so in the slot. The session queues
+    no release for them and opens no connection of its own (before, every
+    failure through the worker counted as sent: each session queued a
+    release, and its next call opened its own connection because of it, a
+    connection storm in an outage)."""
+    server, redis = clusters(retry_interval=60000)
+    conn = server.connect(transport="shared", on_error="allow", retry_interval=0)
+    try:
+        assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
+                            (new_ident("warm"),)).fetchone()[0] is True
+        redis.stop()
+        ident = new_ident("never_sent")
+        acquire = "SELECT rl_concurrency_acquire_allow(%%s, 2, %d)" % LONG_LEASE_MS
+        for end in ("COMMIT", "ROLLBACK"):
+            conn.execute("BEGIN")
+            for _ in range(3):
+                assert conn.execute(acquire, (ident,)).fetchone()[0] is True  # on_error
+                assert conn.execute(
+                    "SELECT coalesce(sum(queued), 0)::int FROM rl_redis_connections()"
+                ).fetchone()[0] == 0, end
+            conn.execute(end)
+        # the session's own connection was never tried
+        assert conn.execute("SELECT count(*) FROM rl_redis_connections() "
+                            "WHERE failing_since IS NOT NULL").fetchone()[0] == 0
+    finally:
+        conn.close()
+        redis.start()

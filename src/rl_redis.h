@@ -218,7 +218,6 @@ extern ssize_t rl_tls_write(RlTls *tls, const char *buf, size_t len,
 							uint32 *want, char *errbuf, size_t errsize);
 extern ssize_t rl_tls_read(RlTls *tls, char *buf, size_t len, uint32 *want,
 						   char *errbuf, size_t errsize);
-extern bool rl_tls_pending(RlTls *tls);
 extern bool rl_tls_alive(RlTls *tls);
 extern void rl_tls_free(RlTls *tls);
 
@@ -369,6 +368,7 @@ extern int	rl_key_slot(const char *key, size_t len);
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
 extern RlConn *rl_route_known(const char *key, size_t keylen);
 extern int	rl_route_slot(const char *key, size_t keylen);
+extern bool rl_error_not_run(const char *error);
 extern int	rl_route_all(RlConn ***conns, RlFailure *failure);
 extern redisReply *rl_call(const char *key, size_t keylen,
 						   const RlScript *script, int argc, const char **argv,
@@ -387,6 +387,7 @@ typedef struct RlCall
 	redisReply *reply;			/* filled in: the reply, or NULL */
 	RlConn	   *conn;			/* filled in: where it went */
 	RlFailure	failure;		/* filled in when reply is NULL */
+	bool		sent;			/* filled in: it may have reached Redis */
 } RlCall;
 
 extern void rl_call_many(RlCall *calls, int n);
@@ -411,11 +412,12 @@ extern void rl_shared_worker_settings(uint64 settings);
 extern void rl_shared_worker_stop(void);
 extern int	rl_shared_slots(void);
 extern void rl_shared_defer_wait(TimestampTz deadline);
+extern bool rl_shared_settled(TimestampTz deadline);
 extern int	rl_shared_take(int i, RlCall *call, int *script_id,
 						   RlDeferred *work);
 extern void rl_shared_deferred_done(int i);
 extern void rl_shared_complete(int i, const redisReply *reply,
-							   const RlFailure *failure);
+							   const RlFailure *failure, bool sent);
 
 /* the rl_redis worker (worker.c) */
 extern void rl_worker_register(void);

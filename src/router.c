@@ -925,20 +925,29 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 }
 
 /*
- * True when an error reply says that Redis did not run the call and it may
- * be sent again: the script was not loaded, or the cluster sent it
- * elsewhere, asked to try again, or the node is a replica now.
+ * True when the text of an error reply says that Redis did not run the
+ * command and it may be sent again: the script was not loaded, or the
+ * cluster sent it elsewhere or asked to try again, or the server is a
+ * replica now, is still loading its data, or lost its master.
  */
+bool
+rl_error_not_run(const char *error)
+{
+	return strncmp(error, "NOSCRIPT", 8) == 0 ||
+		strncmp(error, "MOVED ", 6) == 0 ||
+		strncmp(error, "ASK ", 4) == 0 ||
+		strncmp(error, "TRYAGAIN", 8) == 0 ||
+		strncmp(error, "CLUSTERDOWN", 11) == 0 ||
+		strncmp(error, "READONLY", 8) == 0 ||
+		strncmp(error, "LOADING", 7) == 0 ||
+		strncmp(error, "MASTERDOWN", 10) == 0;
+}
+
+/* True when reply is an error that says Redis did not run the call. */
 static bool
 rl_reply_not_run(const redisReply *reply)
 {
-	return reply->type == REDIS_REPLY_ERROR &&
-		(strncmp(reply->str, "NOSCRIPT", 8) == 0 ||
-		 strncmp(reply->str, "MOVED ", 6) == 0 ||
-		 strncmp(reply->str, "ASK ", 4) == 0 ||
-		 strncmp(reply->str, "TRYAGAIN", 8) == 0 ||
-		 strncmp(reply->str, "CLUSTERDOWN", 11) == 0 ||
-		 strncmp(reply->str, "READONLY", 8) == 0);
+	return reply->type == REDIS_REPLY_ERROR && rl_error_not_run(reply->str);
 }
 
 /*
@@ -975,6 +984,7 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 		if (!todo[i])
 			continue;
 		calls[i].reply = NULL;
+		calls[i].sent = false;
 		memset(&calls[i].failure, 0, sizeof(RlFailure));
 		conn = rl_route(calls[i].key, calls[i].keylen, &calls[i].failure);
 		calls[i].conn = conn;
@@ -1021,12 +1031,17 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 			members[k++] = i;
 		}
 		if (rl_pipeline_send(conns[c], k, cmds, -1, &failure))
+		{
+			for (i = 0; i < k; i++)
+				calls[members[i]].sent = true;
 			continue;
+		}
 		if (rl_mode != RL_MODE_STANDALONE)
 			rl_route_failed(conns[c]);
 		for (i = 0; i < k; i++)
 		{
 			calls[members[i]].failure = failure;
+			calls[members[i]].sent = rl_command_was_sent(conns[c]);
 			again[members[i]] = !rl_command_was_sent(conns[c]) &&
 				rl_mode != RL_MODE_STANDALONE;
 			group[members[i]] = -1;
@@ -1160,6 +1175,8 @@ rl_call_many(RlCall *calls, int n)
 		calls[i].reply = rl_call(calls[i].key, calls[i].keylen, calls[i].script,
 								 calls[i].argc, calls[i].argv, calls[i].argvlen,
 								 &calls[i].conn, &calls[i].failure);
+		calls[i].sent = calls[i].reply != NULL ||
+			(calls[i].conn != NULL && rl_command_was_sent(calls[i].conn));
 	}
 	pfree(todo);
 	pfree(noscript);

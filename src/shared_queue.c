@@ -97,6 +97,7 @@ typedef struct RlSlot
 	char		request[RL_SLOT_REQUEST];	/* (uint32 length, bytes) each */
 	/* the result */
 	bool		failed;
+	bool		sent;			/* of a failed call: it may have reached Redis */
 	RlFailure	failure;
 	int			reply_len;
 	char		reply[RL_SLOT_REPLY];	/* in the Redis protocol */
@@ -121,6 +122,9 @@ static RlQueue *queue = NULL;
 
 /* this process is the worker: its own calls never go through the queue */
 static bool am_worker = false;
+
+/* a call this session gave up was still with the worker (rl_shared_settled) */
+static bool gave_up_taken = false;
 
 /* the slot this session waits on, for its exit (a FATAL skips PG_CATCH) */
 static RlSlot *waiting_slot = NULL;
@@ -252,10 +256,57 @@ rl_give_up_slot(RlSlot *slot)
 		state == RL_SLOT_FILLING)
 		slot->state = RL_SLOT_FREE;
 	else if (state == RL_SLOT_TAKEN)
+	{
 		slot->state = RL_SLOT_ABANDONED;
+		gave_up_taken = true;
+	}
 	SpinLockRelease(&slot->mutex);
 	waiting_slot = NULL;
 	return state == RL_SLOT_TAKEN || state == RL_SLOT_DONE;
+}
+
+/*
+ * Waits until no call this session gave up is still on its way through the
+ * worker (a slot ABANDONED, which the worker frees when the call is done),
+ * or deadline passes (0: none); true when none is. What undoes such a call
+ * (a slot release) and goes on another connection must not overtake it.
+ * Interrupts are served here, unless held (a transaction end: the deadline
+ * bounds it then).
+ */
+bool
+rl_shared_settled(TimestampTz deadline)
+{
+	while (gave_up_taken)
+	{
+		bool		busy = false;
+		long		left = RL_WORKER_CHECK_MS;
+		int			i;
+
+		for (i = 0; i < queue->nslots && !busy; i++)
+		{
+			RlSlot	   *slot = &queue->slots[i];
+
+			SpinLockAcquire(&slot->mutex);
+			busy = slot->owner == MyProc && slot->state == RL_SLOT_ABANDONED;
+			SpinLockRelease(&slot->mutex);
+		}
+		if (!busy)
+		{
+			gave_up_taken = false;
+			break;
+		}
+		if (deadline != 0)
+		{
+			left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), deadline);
+			if (left <= 0)
+				return false;
+		}
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 Min(left, RL_WORKER_CHECK_MS), PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+		CHECK_FOR_INTERRUPTS();
+	}
+	return true;
 }
 
 /* Frees a deferred slot (under its lock): no session's any more. */
@@ -461,8 +512,8 @@ rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
  * own connection instead: see the file's header; settings is the hash of
  * this session's connection settings. The call is accounted to own, the
  * session's connection to the server: whether it may have reached Redis
- * (the worker took it) is noted there (rl_conn_note_sent), also when an
- * error ends the wait. The wait ends at the latest after connect_timeout
+ * (the worker took it, and did not report that it never sent it) is noted
+ * there (rl_conn_note_sent), also when an error ends the wait. The wait ends at the latest after connect_timeout
  * plus command_timeout; an interrupt (cancel, statement_timeout) raises its
  * error from inside, and the reply of that call is then dropped by the
  * worker.
@@ -561,6 +612,8 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	/* DONE: the slot is ours until it is freed */
 	if (slot->failed)
 	{
+		/* whether the worker sent it (not when it could not connect) */
+		rl_conn_note_sent(own, slot->sent);
 		*failure = slot->failure;
 		rl_release_slot(slot);
 		return NULL;
@@ -718,6 +771,7 @@ rl_shared_worker_stop(void)
 		else if (slot->state == RL_SLOT_TAKEN)
 		{
 			slot->failed = true;
+			slot->sent = true;
 			slot->failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
 			slot->failure.first_in_outage = true;
 			slot->failure.breaker_opened = false;
@@ -727,7 +781,10 @@ rl_shared_worker_stop(void)
 			owner = slot->owner;
 		}
 		else if (slot->state == RL_SLOT_ABANDONED)
+		{
 			slot->state = RL_SLOT_FREE;
+			owner = slot->owner;	/* it may wait in rl_shared_settled */
+		}
 		SpinLockRelease(&slot->mutex);
 		if (owner != NULL)
 			SetLatch(&owner->procLatch);
@@ -873,11 +930,13 @@ rl_encode_reply(StringInfo buf, const redisReply *reply)
 
 /*
  * The worker hands back the result of the call it took from slot i: the
- * reply (not freed here), or the failure when reply is NULL; the session
- * is woken. A session that stopped waiting gets nothing: the slot is freed.
+ * reply (not freed here), or the failure when reply is NULL, and whether
+ * the call may have reached Redis (sent); the session is woken. A session
+ * that stopped waiting gets nothing: the slot is freed.
  */
 void
-rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure)
+rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure,
+				   bool sent)
 {
 	RlSlot	   *slot = &queue->slots[i];
 	StringInfoData buf;
@@ -892,6 +951,7 @@ rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure)
 	if (reply != NULL)
 		rl_encode_reply(&buf, reply);
 	slot->failed = reply == NULL || buf.len > RL_SLOT_REPLY;
+	slot->sent = reply != NULL || sent;
 	if (reply == NULL)
 		slot->failure = *failure;
 	else if (buf.len > RL_SLOT_REPLY)
@@ -912,7 +972,10 @@ rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure)
 
 	SpinLockAcquire(&slot->mutex);
 	if (slot->state == RL_SLOT_ABANDONED)
+	{
 		slot->state = RL_SLOT_FREE;
+		owner = slot->owner;	/* it may wait in rl_shared_settled */
+	}
 	else if (slot->state == RL_SLOT_TAKEN)
 	{
 		slot->state = RL_SLOT_DONE;

@@ -200,13 +200,6 @@ rl_tls_read(RlTls *tls, char *buf, size_t len, uint32 *want, char *errbuf,
 	return rl_tls_result(tls, r, want, errbuf, errsize);
 }
 
-/* True when TLS holds decrypted bytes that the socket no longer shows. */
-bool
-rl_tls_pending(RlTls *tls)
-{
-	return SSL_pending(tls->ssl) > 0;
-}
-
 /*
  * True when an idle TLS connection is still usable: the server has not
  * closed it (TLS records such as session tickets may arrive unasked).

@@ -120,6 +120,12 @@ struct RlConn
 	int			replies_due;	/* of the commands rl_pipeline_send wrote */
 	TimestampTz replies_deadline;	/* when the next is due at the latest */
 	int			replies_timeout_ms; /* of a pipeline: the wait for each */
+	uint64		replies_read;	/* counts the replies read */
+	TimestampTz stalled_since;	/* a wait for replies timed out then, and
+								 * none came since (0: none timed out) */
+	bool		wait_for_call;	/* Redis did not run queued work here
+								 * (READONLY, LOADING ...): the transaction
+								 * ends leave it to the next call */
 	RlBreaker	breaker;
 	StringInfoData settings;	/* the connection settings it was made with */
 
@@ -244,6 +250,7 @@ rl_disconnect(RlConn *conn)
 	conn->reader = NULL;
 	conn->ready = false;
 	conn->skip_replies = 0;
+	conn->stalled_since = 0;
 	rl_queue_unconfirmed(conn);
 }
 
@@ -743,19 +750,20 @@ rl_write(RlConn *conn, const char *buf, size_t len, size_t *done,
 
 /*
  * Reads until one whole reply is parsed; NULL (failure filled in) on error.
- * With patient, a deadline that passes is not an error: NULL with
- * failure->sqlerrcode 0, the connection kept (a partial reply stays in the
- * reader, to be completed by the next read).
+ * What has come is read before any wait, so a deadline already passed
+ * takes only that. With patient, a deadline that passes is not an error:
+ * NULL with failure->sqlerrcode 0, the connection kept (a partial reply
+ * stays in the reader, to be completed by the next read).
  */
 static redisReply *
 rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 {
-	uint32		want = WL_SOCKET_READABLE;
 	char		errbuf[256];
 
 	for (;;)
 	{
 		void	   *reply = NULL;
+		uint32		want = WL_SOCKET_READABLE;
 		ssize_t		n;
 
 		if (redisReaderGetReply(conn->reader, &reply) != REDIS_OK)
@@ -766,26 +774,16 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 			return NULL;
 		}
 		if (reply != NULL)
-			return (redisReply *) reply;
-
-		/* TLS may hold decrypted bytes that the socket no longer shows */
-		if (!(conn->tls.ssl && rl_tls_pending(&conn->tls)) &&
-			!rl_wait(conn, want, deadline))
 		{
-			if (patient)
-			{
-				failure->sqlerrcode = 0;
-				return NULL;
-			}
-			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-					"timed out waiting for a reply from Redis at %s", conn->address);
-			return NULL;
+			conn->replies_read++;
+			conn->stalled_since = 0;
+			return (redisReply *) reply;
 		}
 
+		/* (TLS may hold decrypted bytes that the socket no longer shows) */
 		n = rl_io_read(conn, inbuf, sizeof(inbuf), &want, errbuf, sizeof(errbuf));
 		if (n > 0)
 		{
-			want = WL_SOCKET_READABLE;
 			if (redisReaderFeed(conn->reader, inbuf, n) != REDIS_OK)
 			{
 				rl_fail(conn, failure, ERRCODE_PROTOCOL_VIOLATION,
@@ -804,6 +802,17 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 		{
 			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
 					"could not receive from Redis at %s: %s", conn->address, errbuf);
+			return NULL;
+		}
+		else if (!rl_wait(conn, want, deadline))
+		{
+			if (patient)
+			{
+				failure->sqlerrcode = 0;
+				return NULL;
+			}
+			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+					"timed out waiting for a reply from Redis at %s", conn->address);
 			return NULL;
 		}
 	}
@@ -1461,9 +1470,12 @@ rl_queue_unconfirmed(RlConn *conn)
 /*
  * Writes the queued commands not written yet to the open connection, going
  * on where an earlier write stopped, before deadline; their replies are
- * read by rl_read_pending. False on failure (the connection discarded), or
- * when the deadline passed first (failure->sqlerrcode 0; the connection
- * kept, and the next write goes on from there).
+ * read by rl_read_pending. A call of the session that the worker of the
+ * shared transport still has (an acquire the session gave up waiting for)
+ * is waited for first: the release that undoes it must not overtake it.
+ * False on failure (the connection discarded), or when the deadline passed
+ * first (failure->sqlerrcode 0; the connection kept, and the next write
+ * goes on from there).
  */
 static bool
 rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
@@ -1474,6 +1486,11 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	rl_queue_trim(conn);
 	if (conn->pending_replies == conn->queue_count)
 		return true;
+	if (conn->kind == RL_CONN_SERVER && !rl_shared_settled(deadline))
+	{
+		failure->sqlerrcode = 0;
+		return false;
+	}
 	conn->queue_write_from = rl_queue_offset(conn, conn->pending_replies) +
 		conn->queue_partial;
 	conn->queue_write_done = 0;
@@ -1486,14 +1503,16 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 }
 
 /*
- * A queued command k of conn got an error reply of Redis Cluster that says
- * it was not run: a redirection ("MOVED <slot> <host>:<port>" or "ASK ...";
- * an empty host is conn's), after which it moves to the queue of the node
- * named, after ASKING for ASK; or TRYAGAIN / CLUSTERDOWN (a slot being
- * moved, the cluster failing over), after which it waits in conn's queue
- * for the next write. Either way it goes with that connection's next
- * command or transaction end, at most RL_MAX_REQUEUE times. False when the
- * error is none of these, or the command went round too often.
+ * A queued command k of conn got an error reply that says it was not run
+ * (rl_error_not_run): a redirection of Redis Cluster ("MOVED <slot>
+ * <host>:<port>" or "ASK ..."; an empty host is conn's), after which it
+ * moves to the queue of the node named, after ASKING for ASK; or another
+ * (TRYAGAIN, CLUSTERDOWN, READONLY, LOADING, MASTERDOWN: a slot being
+ * moved, a failover, a server that is a replica now or not ready), after
+ * which it waits in conn's queue for the session's next call there
+ * (wait_for_call), which resolves the server's name again. Either way it
+ * is sent at most RL_MAX_REQUEUE times. False when the error is none of
+ * these, or the command went round too often.
  */
 static bool
 rl_queue_redirect(RlConn *conn, int k, const char *error)
@@ -1509,13 +1528,16 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	uint8		flags;
 	uint8		tries;
 
-	if (rl_mode != RL_MODE_CLUSTER || conn->queue_tries[k] >= RL_MAX_REQUEUE)
+	if (!rl_error_not_run(error) || conn->queue_tries[k] >= RL_MAX_REQUEUE)
 		return false;
-	if (strncmp(error, "TRYAGAIN", 8) == 0 || strncmp(error, "CLUSTERDOWN", 11) == 0)
+	if (!ask && strncmp(error, "MOVED ", 6) != 0)
+	{
 		target = conn;
+		conn->wait_for_call = true;
+	}
 	else
 	{
-		if (!ask && strncmp(error, "MOVED ", 6) != 0)
+		if (rl_mode != RL_MODE_CLUSTER)
 			return false;
 		node = strchr(error + (ask ? 4 : 6), ' ');
 		if (node == NULL || !rl_parse_redirect_node(node + 1, conn->host, host, &port))
@@ -1545,17 +1567,14 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 }
 
 /*
- * Reads the replies of the queued commands written to the connection (after
- * those of an interrupted call, which are dropped) and takes those commands
- * off the queue; an error reply is logged. False (with
- * the failure filled in) when the connection failed, or, with patient,
- * when the deadline passed first (failure->sqlerrcode 0; the rest of the
- * replies are read later).
+ * Reads and drops the replies of an interrupted call (rl_conn_interrupted)
+ * before deadline; as rl_recv, false with failure->sqlerrcode 0 when the
+ * deadline passed first.
  */
 static bool
-rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
+rl_read_skipped(RlConn *conn, TimestampTz deadline, bool patient,
+				RlFailure *failure)
 {
-	/* first those of an interrupted call (rl_conn_interrupted): dropped */
 	while (conn->skip_replies > 0)
 	{
 		redisReply *reply = rl_recv(conn, deadline, patient, failure);
@@ -1565,6 +1584,52 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 		freeReplyObject(reply);
 		conn->skip_replies--;
 	}
+	return true;
+}
+
+/*
+ * A patient wait for replies on conn ended early (failure filled in): when
+ * it timed out, the connection is not kept waiting for ever. It is dropped
+ * (the failure says so) when no queued command waits for its reply there
+ * (only an interrupted call's are due, which nobody needs: nothing is
+ * lost), or when no reply came for longer than command_timeout
+ * (xact_end_budget without one) since a wait first timed out (its queued
+ * commands are then kept or dropped as after a lost connection). Returns
+ * false.
+ */
+static bool
+rl_read_stalled(RlConn *conn, RlFailure *failure)
+{
+	TimestampTz now;
+
+	if (failure->sqlerrcode != 0)
+		return false;
+	now = GetCurrentTimestamp();
+	if (conn->stalled_since == 0)
+		conn->stalled_since = now;
+	if (conn->pending_replies == 0 ||
+		TimestampDifferenceExceeds(conn->stalled_since, now,
+								   rl_command_timeout > 0 ? rl_command_timeout :
+								   rl_xact_end_budget))
+		rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
+				"timed out waiting for a reply from Redis at %s", conn->address);
+	return false;
+}
+
+/*
+ * Reads the replies of the queued commands written to the connection (after
+ * those of an interrupted call, which are dropped) and takes those commands
+ * off the queue; an error reply is logged, unless it says that the command
+ * was not run (rl_queue_redirect keeps it queued). False (with the failure
+ * filled in) when the connection failed, or, with patient, when the
+ * deadline passed first (failure->sqlerrcode 0; the rest of the replies are
+ * read later, unless rl_read_stalled drops the connection).
+ */
+static bool
+rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
+{
+	if (!rl_read_skipped(conn, deadline, patient, failure))
+		return rl_read_stalled(conn, failure);
 	while (conn->pending_replies > 0)
 	{
 		redisReply *reply;
@@ -1573,7 +1638,7 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 		if (reply == NULL)
 		{
 			rl_queue_trim(conn);
-			return false;
+			return rl_read_stalled(conn, failure);
 		}
 		conn->pending_replies--;
 		conn->queue_confirmed++;
@@ -1600,6 +1665,28 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 	}
 	rl_queue_trim(conn);
 	return true;
+}
+
+/*
+ * True when conn's socket may take a command now: connected and, when
+ * nothing but the replies of an interrupted call is due, once those that
+ * came are read and dropped (without waiting), not closed by the server (a
+ * restart, CLIENT KILL, its timeout). Replies still due make the liveness
+ * check useless: reading them checks.
+ */
+static bool
+rl_conn_usable_now(RlConn *conn)
+{
+	RlFailure	failure;
+
+	rl_queue_account(conn);
+	if (!conn->ready || conn->sock == PGINVALID_SOCKET || conn->shut)
+		return false;
+	if (conn->pending_replies > 0 || conn->queue_partial > 0)
+		return true;
+	if (!rl_read_skipped(conn, GetCurrentTimestamp(), true, &failure))
+		return failure.sqlerrcode == 0;
+	return rl_connection_alive(conn);
 }
 
 /*
@@ -1834,30 +1921,43 @@ rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
  * At a transaction end, for a connection without a usable socket (Redis
  * closed it, a call failed or was cut short): connects again before
  * deadline, to the address the last connection was opened to (no name
- * lookup), with the settings it was made with. False when it cannot: never
- * connected, the settings name another server now (the next call sorts
- * that out), or Redis could not be reached in time. Never raises.
+ * lookup), with the settings it was made with. False, with failure filled
+ * in, when it cannot: never connected, the settings name another server now
+ * (the next call sorts that out; failure->sqlerrcode 0, as nothing was
+ * tried), or Redis could not be reached in time. Never raises.
  */
 static bool
-rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline)
+rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline,
+						 RlFailure *failure)
 {
-	RlFailure	failure;
 	RlHold		hold;
 	volatile bool ok = false;
 
+	failure->sqlerrcode = 0;
 	if (conn->settings.data == NULL ||
 		(conn->host[0] != '/' && conn->addrlen == 0))
+	{
+		snprintf(failure->message, sizeof(failure->message),
+				 "no connection was made to Redis at %s in this session yet",
+				 conn->address);
 		return false;
+	}
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
-		if (!rl_settings_differ(conn))
-			ok = rl_connect(conn, deadline, false, &failure);
+		if (rl_settings_differ(conn))
+			snprintf(failure->message, sizeof(failure->message),
+					 "the connection settings name another Redis server now");
+		else
+			ok = rl_connect(conn, deadline, false, failure);
 	}
 	PG_CATCH();
 	{
 		rl_hold_restore(&hold);
 		rl_disconnect(conn);
+		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+		snprintf(failure->message, sizeof(failure->message),
+				 "could not connect to Redis at %s", conn->address);
 		ok = false;
 	}
 	PG_END_TRY();
@@ -1871,46 +1971,75 @@ rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline)
  * connects again (rl_reconnect_at_xact_end) when Redis closed the
  * connection or a call of the transaction failed; only when Redis cannot be
  * reached in that time does the work wait for the session's next call.
- * Interrupts are held here, so the budget is the only bound; nothing here
- * raises or looks a name up.
+ * The connection's circuit breaker rules here as for the calls: while it
+ * is open (a failure within rl_redis.retry_interval) nothing is tried and
+ * the work waits for the next call, and a failure here, or a wait for
+ * replies in which none came, opens it. Work Redis did not run here
+ * (READONLY ...: wait_for_call) waits for the next call too, on a new
+ * connection. Interrupts are held here, so the budget is the only bound;
+ * nothing here raises or looks a name up.
  */
 static void
 rl_flush_queue(RlConn *conn, TimestampTz deadline)
 {
 	RlFailure	failure = {0};
 	RlHold		hold;
+	uint64		replies_before = conn->replies_read;
 
-	if (conn->queue_count == 0)
+	if (conn->queue_count == 0 || conn->wait_for_call ||
+		rl_breaker_open(&conn->breaker, &failure))
 		return;
-	/* a connection the server closed while idle would swallow the queue */
-	rl_queue_account(conn);
-	if (conn->ready && conn->pending_replies == 0 && conn->queue_partial == 0 &&
-		conn->skip_replies == 0 && (conn->shut || !rl_connection_alive(conn)))
-		rl_disconnect(conn);
-	if ((!conn->ready || conn->sock == PGINVALID_SOCKET) &&
-		rl_conn_hand_to_worker(conn, deadline))
-		return;
-	if ((!conn->ready || conn->sock == PGINVALID_SOCKET) &&
-		!rl_reconnect_at_xact_end(conn, deadline))
-	{
-		ereport(WARNING,
-				(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
-				 errdetail("Redis at %s could not be reached within rl_redis.xact_end_budget.",
-						   conn->address)));
-		return;
-	}
+	memset(&failure, 0, sizeof(failure));
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
-		/* written, then confirmed, so that other sessions see it at once */
-		if (!rl_send_queue(conn, deadline, &failure) ||
-			!rl_read_pending(conn, deadline, true, &failure))
+		bool		connected = true;
+
+		/* a connection the server closed while idle would swallow the queue */
+		if (!rl_conn_usable_now(conn))
 		{
-			if (failure.sqlerrcode != 0)
+			rl_disconnect(conn);
+			if (rl_conn_hand_to_worker(conn, deadline))
+				connected = false;
+			else if (!rl_reconnect_at_xact_end(conn, deadline, &failure))
+			{
+				connected = false;
+				ereport(WARNING,
+						(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
+						 errdetail("Redis at %s could not be reached within rl_redis.xact_end_budget: %s.",
+								   conn->address, failure.message)));
+				if (failure.sqlerrcode != 0)
+					rl_breaker_failed(&conn->breaker, &failure);
+			}
+		}
+		/* written, then confirmed, so that other sessions see it at once */
+		if (connected)
+		{
+			if (rl_send_queue(conn, deadline, &failure) &&
+				rl_read_pending(conn, deadline, true, &failure))
+			{
+				rl_breaker_succeeded(&conn->breaker, conn->address);
+				/* the next call connects again, resolving the name */
+				if (conn->wait_for_call)
+					rl_disconnect(conn);
+			}
+			else if (failure.sqlerrcode != 0)
+			{
 				ereport(WARNING,
 						(errcode(failure.sqlerrcode),
 						 errmsg_internal("%s", failure.message),
 						 errdetail("Rate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.")));
+				rl_breaker_failed(&conn->breaker, &failure);
+			}
+			else if (conn->replies_read == replies_before)
+			{
+				/* Redis did not answer at all: hung */
+				failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+				snprintf(failure.message, sizeof(failure.message),
+						 "timed out waiting for a reply from Redis at %s",
+						 conn->address);
+				rl_breaker_failed(&conn->breaker, &failure);
+			}
 		}
 	}
 	PG_CATCH();
@@ -2192,11 +2321,8 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 	else if (rl_breaker_open(&conn->breaker, failure))
 		return false;
 
-	/* unread replies make the liveness peek useless; reading them checks */
-	rl_queue_account(conn);
-	if (!conn->ready || conn->shut ||
-		(conn->pending_replies == 0 && conn->queue_partial == 0 &&
-		 conn->skip_replies == 0 && !rl_connection_alive(conn)))
+	conn->wait_for_call = false;
+	if (!rl_conn_usable_now(conn))
 	{
 		bool		connected = rl_connect(conn, rl_deadline(connect_ms), true,
 											   failure);
@@ -2261,8 +2387,10 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 	if (out.maxlen > RL_KEEP_BUFFER)
 	{
 		/* a huge command does not keep its buffer for the backend's life */
+		char	   *small = MemoryContextAlloc(TopMemoryContext, 1024);
+
 		pfree(out.data);
-		out.data = MemoryContextAlloc(TopMemoryContext, 1024);
+		out.data = small;
 		out.maxlen = 1024;
 		resetStringInfo(&out);
 	}

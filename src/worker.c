@@ -104,7 +104,7 @@ rl_worker_round(RlCall *calls, int *slots)
 					failure.sqlerrcode = ERRCODE_INTERNAL_ERROR;
 					snprintf(failure.message, sizeof(failure.message),
 							 "the rl_redis worker does not know the script of a call");
-					rl_shared_complete(i, NULL, &failure);
+					rl_shared_complete(i, NULL, &failure, false);
 					break;
 				}
 				slots[n++] = i;
@@ -122,7 +122,8 @@ rl_worker_round(RlCall *calls, int *slots)
 		rl_call_many(calls, n);
 		for (i = 0; i < n; i++)
 		{
-			rl_shared_complete(slots[i], calls[i].reply, &calls[i].failure);
+			rl_shared_complete(slots[i], calls[i].reply, &calls[i].failure,
+							   calls[i].sent);
 			if (calls[i].reply != NULL)
 				freeReplyObject(calls[i].reply);
 			calls[i].reply = NULL;
