@@ -1176,6 +1176,9 @@ def test_big_refund_with_short_command_timeout_completes(env, redis_factory):
     collect_notices(conn)
     prefix = new_ident("bigtb") + ":"
     n = 40000
+    # the charges: 10 000 keys a statement, which a loaded machine took
+    # more than the default 2 s to answer
+    set_gucs(conn, command_timeout=30000)
     conn.execute("BEGIN")
     for start in range(0, n, 10000):
         conn.execute(sql.SQL("INSERT INTO {} (tenant) SELECT %s || i FROM generate_series(%s::int, %s::int) i")
