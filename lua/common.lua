@@ -84,9 +84,12 @@ local function from_clock(result, real)
   return result
 end
 
--- The limit a hash state was written under, "lim/window_ms/burst" (field
--- l): a refund of charges made under another limit (a policy changed since)
--- gives nothing back, as their units cannot be told apart any more.
+-- The limit a hash state was last written under, "lim/window_ms/burst"
+-- (field l): a refund of charges made under another limit gives nothing
+-- back, as their units cannot be told apart any more. A policy's fixed
+-- window or sliding counter keeps its key when its lim changes, and is
+-- shared with another database's policy of the same name and window
+-- whatever its lim: a call under another lim since gives nothing back too.
 local function limit_sig(p)
   return p.lim .. '/' .. string.format('%.0f', p.window_ms) .. '/' .. p.burst
 end

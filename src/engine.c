@@ -150,19 +150,27 @@ rl_check_limit(const RlLimit *limit)
  *
  *   <key_prefix><kind>:{<identity>}:<lim>/<window_ms>[/<burst>]
  *   <key_prefix><kind>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
+ *   <key_prefix><kind>:{<identity>}:<policy>:/<window_ms>
  *
- * the first for explicit arguments, the second for a policy. kind is the
- * algorithm, or "concurrency" (window_ms is then the lease; no burst).
- * Every key carries the numbers it counts under, so two limits, or two
- * definitions of one policy (another database's, or the same one's before
- * its owner changed it), never count on one key. The braces make every key
- * of one identity hash to the same Redis Cluster slot; inside them '%', '{'
- * and '}' are percent-encoded, so that the hash tag is never empty and never
- * ends early, and two identities never share a key. A policy name holds no
- * '/' (rl_policy's CHECK), so the numbers are what follows the suffix's last
- * ':'. Keys of earlier releases, which rl_reset still deletes:
- * <key_prefix><kind>:{<identity>}:<policy> (policies, 1.1 to 1.5 as first
- * released) and <key_prefix><kind>:{<identity>} (1.2).
+ * the first for explicit arguments, the others for a policy. kind is the
+ * algorithm, or "concurrency" (window_ms is then the lease; no burst). A
+ * key carries the numbers its state means something under, so that no two
+ * limits whose state means something else count on one key: a bucket's
+ * level (token_bucket, gcra) depends on the rate and the capacity, the
+ * second form; a count over a window (fixed, sliding, sliding_counter)
+ * depends on window_ms alone, lim being only the threshold each call
+ * compares it with, the third form, where lim is left out. So a policy's
+ * count is kept when its lim changes (a tightened limit holds at once), and
+ * is shared with another database's policy of the same name and window
+ * whatever its lim, each call admitted only under its own. Explicit
+ * arguments keep their lim: two explicit limits are two counters. The braces
+ * make every key of one identity hash to the same Redis Cluster slot;
+ * inside them '%', '{' and '}' are percent-encoded, so that the hash tag is
+ * never empty and never ends early, and two identities never share a key. A
+ * policy name holds no '/' (rl_policy's CHECK), so the numbers are what
+ * follows the suffix's last ':'. Keys of earlier releases, which rl_reset
+ * still deletes: <key_prefix><kind>:{<identity>}:<policy> (policies, 1.1 to
+ * 1.5 as first released) and <key_prefix><kind>:{<identity>} (1.2).
  */
 
 /* Appends <key_prefix><kind>:{<encoded identity>} to buf. */
@@ -216,7 +224,9 @@ rl_build_key(text *identity, const char *policy, const RlLimit *limit)
 	appendStringInfoChar(&keybuf, ':');
 	if (policy != NULL)
 		appendStringInfo(&keybuf, "%s:", policy);
-	appendStringInfo(&keybuf, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
+	if (policy == NULL || limit->algorithm == NULL || limit->algorithm->bucket)
+		appendStringInfo(&keybuf, "%d", limit->lim);
+	appendStringInfo(&keybuf, "/" INT64_FORMAT, limit->window_ms);
 	if (limit->burst > 0)
 		appendStringInfo(&keybuf, "/%d", limit->burst);
 	return &keybuf;

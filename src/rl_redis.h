@@ -317,12 +317,13 @@ typedef struct RlAlgorithm
 	bool		refund_subtracts;	/* a refund must not be sent twice */
 	bool		keeps_records;	/* the forget call cleans its keys */
 	bool		log;			/* lim bounded by rl_redis.sliding_max_lim */
+	bool		bucket;			/* takes a burst; keys carry lim and burst */
 } RlAlgorithm;
 
 /* RL_ALG_<name>: an algorithm's index in rl_algorithms */
 enum
 {
-#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log) \
+#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log, bucket) \
 	RL_ALG_##name,
 #include "algorithms.h"
 #undef RL_ALGORITHM
