@@ -13,14 +13,15 @@ both in turn reset the count of the other (30 of 30 allowed under "5 per
     <prefix><algorithm>:{<identity>}:<policy>:/<window_ms>
         fixed, sliding and sliding_counter: a count over the window; lim is
         only the threshold each call compares it with
-    <prefix>concurrency:{<identity>}:<policy>:<lim>/<lease_ms>
+    <prefix>concurrency:{<identity>}:<policy>
+        slots: a set of absolute lease ends, compared with lim by number
 
 so numbers that would give a state another meaning count on a key of their
 own, on every path (rl_check, rl_check_many, rl_check_all, row and
 statement guards, rl_acquire, refunds), while a change of a count's lim
 keeps the count (a tightened limit holds at once) and databases whose
-policy differs only in lim share one count, each call admitted only under
-its own database's lim.
+policy differs only in lim share one count (slots: whatever the numbers),
+each call admitted only under its own database's lim.
 
 The calls come from an ordinary role (SET ROLE from a superuser session,
 which sets the test clock between steps; rl_redis.test_clock_ms is
@@ -173,39 +174,62 @@ def test_two_databases_same_policy_other_numbers(env, other_db, algorithm):
     assert sum(here_alone) <= 9
 
 
-def test_two_databases_same_concurrency_policy_other_numbers(env, other_db):
+def acquire(caller, policy, identity):
+    return caller.conn.execute("SELECT rl_acquire_allow(%s, %s)", (policy, identity)).fetchone()[0]
+
+
+def test_two_databases_same_concurrency_policy_other_numbers(env, other_db, shared_redis):
     """A concurrency policy of one name: 2 slots (60 s lease) here, 3 slots
-    (30 s lease) in the other database. Slots held through one database
-    take none of the other's (1.5 before the fix: one sorted set for both,
-    so the other's three slots denied this database's second)."""
+    (30 s lease) in the other database. The slots are one set, which each
+    database compares with its own lim: an acquire is admitted only while
+    fewer than the caller's lim are held, through either database (before
+    the fix: one set per set of numbers, so 2 + 3 held at once)."""
     policy = env.policy("concurrency", (2, 60000, None), (3, 30000, None))
     here, there = env.caller(), env.caller(other_db)
+    identity = new_ident("polkeys_cc")
+    key = "rl:concurrency:{%s}:%s" % (identity, policy)
+    got = []
+    for c in (here, there):
+        c.at(BASE_CLOCK_MS)
+        c.conn.execute("BEGIN")
+    try:
+        for caller, lim in [(here, 2)] + [(there, 3)] * 4 + [(here, 2)] * 2:
+            held = shared_redis.command("ZCARD", key)
+            ok = acquire(caller, policy, identity)
+            assert ok == (held < lim)
+            got.append(ok)
+    finally:
+        for c in (here, there):
+            c.conn.execute("COMMIT")
+    assert got == [True, True, True, False, False, False, False]
+    assert shared_redis.command("EXISTS", key) == 0
 
-    def acquire(c, identity, n):
-        return [c.conn.execute("SELECT rl_acquire_allow(%s, %s)", (policy, identity)).fetchone()[0]
-                for _ in range(n)]
 
-    def hold(identity, callers):
-        got = {}
-        for c in callers:
-            c.at(BASE_CLOCK_MS)
-            c.conn.execute("BEGIN")
-        try:
-            if here in callers:
-                got["here"] = acquire(here, identity, 1)
-            if there in callers:
-                got["there"] = acquire(there, identity, 4)
-            if here in callers:
-                got["here"] += acquire(here, identity, 2)
-        finally:
-            for c in callers:
-                c.conn.execute("COMMIT")
-        return got
-
-    both = hold(new_ident("polkeys_cc"), [here, there])
-    assert both == {"here": [True, True, False], "there": [True, True, True, False]}
-    assert hold(new_ident("polkeys_cc"), [here]) == {"here": both["here"]}
-    assert hold(new_ident("polkeys_cc"), [there]) == {"there": both["there"]}
+def test_concurrency_policy_change_never_holds_more_than_lim(env, shared_redis):
+    """The owner changes a concurrency policy's lease, then its lim, while
+    slots are held: the slots held still count (one set, whatever the
+    numbers; a slot's lease is its own end time), so no more than the
+    current lim are ever held (before the fix: a lease change gave a new,
+    empty set, and 2 x lim slots could be held)."""
+    policy = env.policy("concurrency", (2, 60000, None), (2, 60000, None))
+    me = env.caller()
+    me.at(BASE_CLOCK_MS)
+    identity = new_ident("polkeys_cc_change")
+    key = "rl:concurrency:{%s}:%s" % (identity, policy)
+    me.conn.execute("BEGIN")
+    try:
+        assert [acquire(me, policy, identity) for _ in range(3)] == [True, True, False]
+        env.here.execute("UPDATE rl_policy SET window_ms = 30000 WHERE name = %s", (policy,))
+        assert acquire(me, policy, identity) is False
+        env.here.execute("UPDATE rl_policy SET lim = 3 WHERE name = %s", (policy,))
+        assert [acquire(me, policy, identity) for _ in range(2)] == [True, False]
+        assert keys_of(shared_redis, identity) == {key}
+        assert shared_redis.command("ZCARD", key) == 3
+        env.here.execute("UPDATE rl_policy SET lim = 1 WHERE name = %s", (policy,))
+        assert acquire(me, policy, identity) is False
+    finally:
+        me.conn.execute("COMMIT")
+    assert shared_redis.command("EXISTS", key) == 0
 
 
 @pytest.mark.parametrize("algorithm,old,new", [
@@ -297,15 +321,17 @@ def test_every_path_counts_on_the_numbered_key(env, shared_redis, path, algorith
             owner.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
 
 
-def test_acquire_holds_its_slot_on_the_numbered_key(env, shared_redis):
-    """rl_acquire takes its slot on <prefix>concurrency:{<identity>}:<policy>:<lim>/<lease_ms>."""
+def test_acquire_holds_its_slot_on_the_policy_key(env, shared_redis):
+    """rl_acquire takes its slot on <prefix>concurrency:{<identity>}:<policy>,
+    a key without numbers."""
     policy = env.policy("concurrency", (2, 60000, None), (2, 60000, None))
     identity = new_ident("polkeys_slot")
     me = env.caller()
     me.at(BASE_CLOCK_MS)
     me.conn.execute("BEGIN")
     assert me.conn.execute("SELECT rl_acquire_allow(%s, %s)", (policy, identity)).fetchone() == (True,)
-    key = rl_key("concurrency", identity, policy=policy, lim=2, window_ms=60000)
+    key = "rl:concurrency:{%s}:%s" % (identity, policy)
+    assert rl_key("concurrency", identity, policy=policy, lim=2, window_ms=60000) == key
     assert keys_of(shared_redis, identity) == {key}
     assert shared_redis.command("ZCARD", key) == 1
     me.conn.execute("COMMIT")

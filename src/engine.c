@@ -151,6 +151,7 @@ rl_check_limit(const RlLimit *limit)
  *   <key_prefix><kind>:{<identity>}:<lim>/<window_ms>[/<burst>]
  *   <key_prefix><kind>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
  *   <key_prefix><kind>:{<identity>}:<policy>:/<window_ms>
+ *   <key_prefix>concurrency:{<identity>}:<policy>
  *
  * the first for explicit arguments, the others for a policy. kind is the
  * algorithm, or "concurrency" (window_ms is then the lease; no burst). A
@@ -159,11 +160,13 @@ rl_check_limit(const RlLimit *limit)
  * level (token_bucket, gcra) depends on the rate and the capacity, the
  * second form; a count over a window (fixed, sliding, sliding_counter)
  * depends on window_ms alone, lim being only the threshold each call
- * compares it with, the third form, where lim is left out. So a policy's
- * count is kept when its lim changes (a tightened limit holds at once), and
- * is shared with another database's policy of the same name and window
- * whatever its lim, each call admitted only under its own. Explicit
- * arguments keep their lim: two explicit limits are two counters. The braces
+ * compares it with, the third form, where lim is left out; slots (a set of
+ * absolute lease ends, compared with lim by their number) depend on none,
+ * the fourth. So a policy's count or slots are kept when its lim (or lease)
+ * changes, and are shared with another database's policy of the same name
+ * (and window) whatever its lim, each call admitted only under its own: no
+ * change of numbers holds more than lim at once. Explicit arguments keep
+ * their numbers: two explicit limits are two counters. The braces
  * make every key of one identity hash to the same Redis Cluster slot;
  * inside them '%', '{' and '}' are percent-encoded, so that the hash tag is
  * never empty and never ends early, and two identities never share a key. A
@@ -223,8 +226,13 @@ rl_build_key(text *identity, const char *policy, const RlLimit *limit)
 					   "concurrency", identity);
 	appendStringInfoChar(&keybuf, ':');
 	if (policy != NULL)
-		appendStringInfo(&keybuf, "%s:", policy);
-	if (policy == NULL || limit->algorithm == NULL || limit->algorithm->bucket)
+	{
+		appendStringInfoString(&keybuf, policy);
+		if (limit->algorithm == NULL)
+			return &keybuf;		/* slots mean the same under any numbers */
+		appendStringInfoChar(&keybuf, ':');
+	}
+	if (policy == NULL || limit->algorithm->bucket)
 		appendStringInfo(&keybuf, "%d", limit->lim);
 	appendStringInfo(&keybuf, "/" INT64_FORMAT, limit->window_ms);
 	if (limit->burst > 0)
