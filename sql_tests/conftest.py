@@ -177,8 +177,9 @@ def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=Non
                 (fixed, sliding and sliding_counter: lim is left out)
                 <prefix>concurrency:{<enc(identity)>}:<policy>
     (concurrency: window_ms is the lease) where enc() percent-encodes '%',
-    '{' and '}'. Give lim and window_ms (and burst when the call or the
-    policy has one), and the policy's name for a policy."""
+    '{' and '}', and the burst is written only when it differs from lim.
+    Give lim and window_ms (and burst when the call or the policy has one),
+    and the policy's name for a policy."""
     if lim is None or window_ms is None:
         raise ValueError("rl_key needs lim and window_ms")
     enc = identity.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
@@ -190,7 +191,7 @@ def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=Non
     if policy is None or algorithm in ("token_bucket", "gcra"):
         key += "%d" % lim
     key += "/%d" % window_ms
-    if burst is not None:
+    if burst is not None and burst != lim:
         key += "/%d" % burst
     return key
 

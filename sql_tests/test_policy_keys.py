@@ -30,6 +30,7 @@ superuser-only).
 
 import uuid
 
+import psycopg
 from psycopg import sql
 import pytest
 
@@ -453,3 +454,75 @@ def test_refund_after_a_lim_change_gives_back_nothing(env, shared_redis):
     assert shared_redis.command("HGET", key, "n") == "4"
     assert other.conn.execute("SELECT (rl_check(%s, %s, 0)).remaining",
                               (policy, identity)).fetchone() == (4,)
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_burst_equal_to_lim_is_no_burst(env, other_db, shared_redis, algorithm):
+    """A burst of NULL and a burst equal to lim are the same capacity, so
+    one key: <lim>/<window_ms> without the burst, for explicit arguments
+    and for a policy (before the fix: two keys, two buckets)."""
+    pg = env.here
+    pg.execute("SELECT set_config('rl_redis.test_clock_ms', %s, false)", (str(BASE_CLOCK_MS),))
+    identity = new_ident("polkeys_burst")
+    q = "SELECT (rl_%s(%%s, 5, 60000, 1, %%s)).remaining" % algorithm
+    assert pg.execute(q, (identity, 5)).fetchone() == (4,)
+    assert pg.execute(q, (identity, None)).fetchone() == (3,)
+    assert keys_of(shared_redis, identity) == {"rl:%s:{%s}:5/60000" % (algorithm, identity)}
+
+    policy = env.policy(algorithm, (5, 60000, None), (5, 60000, 5))
+    here, there = env.caller(), env.caller(other_db)
+    here.at(BASE_CLOCK_MS)
+    there.at(BASE_CLOCK_MS)
+    identity = new_ident("polkeys_burst")
+    assert [here.allow(policy, identity) for _ in range(3)] == [True] * 3
+    assert [there.allow(policy, identity) for _ in range(3)] == [True, True, False]
+    assert keys_of(shared_redis, identity) == {
+        "rl:%s:{%s}:%s:5/60000" % (algorithm, identity, policy)}
+
+
+def test_refund_after_burst_set_to_lim_gives_back(env, shared_redis):
+    """A token bucket policy without a burst gets burst = lim (the same
+    capacity, the same key) while a transaction that charged it is open,
+    and another session charges under the new row: the rollback still
+    gives back what the transaction took, as the key's state was written
+    under the same limit."""
+    policy = env.policy("token_bucket", (5, 60000, None), (5, 60000, None))
+    me, other = env.caller(), env.caller()
+    me.at(BASE_CLOCK_MS, refund_on_abort="all")
+    other.at(BASE_CLOCK_MS)
+    identity = new_ident("polkeys_burst_refund")
+    me.conn.execute("BEGIN")
+    assert [me.allow(policy, identity) for _ in range(3)] == [True] * 3
+    env.here.execute("UPDATE rl_policy SET burst = 5 WHERE name = %s", (policy,))
+    assert other.allow(policy, identity) is True
+    me.conn.execute("ROLLBACK")
+    assert keys_of(shared_redis, identity) == {
+        "rl:token_bucket:{%s}:%s:5/60000" % (identity, policy)}
+    assert other.conn.execute("SELECT (rl_check(%s, %s, 0)).remaining",
+                              (policy, identity)).fetchone() == (4,)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("fixed:5/60000/3", "algorithm fixed takes no burst"),
+    ("sliding:5/60000/5", "algorithm sliding takes no burst"),
+    ("sliding_counter:5/60000/0", "algorithm sliding_counter takes no burst"),
+    ("token_bucket:5/60000/0", "burst must be greater than zero"),
+    ("gcra:5/60000/-2", "burst must be greater than zero"),
+])
+def test_guard_spec_burst_checked_as_the_functions_do(env, spec, message):
+    """A guard's explicit limit takes a burst only for token_bucket and gcra,
+    and only a positive one, refused with 22023 and the message the SQL
+    functions give (before the fix: a fixed window's burst made another key
+    for one decision, and a burst of 0 was taken as none)."""
+    table = "rl_polkeys_%s" % uid()
+    owner = env.here
+    owner.execute(sql.SQL("CREATE TABLE {} (tenant text NOT NULL)").format(sql.Identifier(table)))
+    try:
+        owner.execute(sql.SQL("CREATE TRIGGER guard AFTER INSERT ON {} FOR EACH ROW "
+                              "EXECUTE FUNCTION rl_guard({}, 'tenant')").format(
+            sql.Identifier(table), sql.Literal(spec)))
+        with pytest.raises(psycopg.Error) as exc:
+            owner.execute(sql.SQL("INSERT INTO {} VALUES ('t')").format(sql.Identifier(table)))
+        assert (exc.value.sqlstate, exc.value.diag.message_primary) == ("22023", message)
+    finally:
+        owner.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))

@@ -100,10 +100,10 @@ rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name)
 
 /*
  * Raises 22023 when a limit's numbers are out of range: lim and window_ms
- * positive, window_ms at most 100 years, the whole burst refilled within
- * 100 years (so that every time the scripts compute is exact in a double
- * and every expiry fits), a sliding log no longer than
- * rl_redis.sliding_max_lim.
+ * positive, window_ms at most 100 years, a burst (non-zero) only for a
+ * bucket and then positive, the whole burst refilled within 100 years (so
+ * that every time the scripts compute is exact in a double and every
+ * expiry fits), a sliding log no longer than rl_redis.sliding_max_lim.
  */
 void
 rl_check_limit(const RlLimit *limit)
@@ -123,6 +123,11 @@ rl_check_limit(const RlLimit *limit)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("window_ms must be at most " INT64_FORMAT " (100 years)",
 						RL_MAX_WINDOW_MS)));
+	if (limit->burst != 0 && !limit->algorithm->bucket)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("algorithm %s takes no burst", limit->algorithm->name),
+				 errdetail("A burst is the capacity of a token_bucket or gcra limit.")));
 	if (limit->burst < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -154,7 +159,9 @@ rl_check_limit(const RlLimit *limit)
  *   <key_prefix>concurrency:{<identity>}:<policy>
  *
  * the first for explicit arguments, the others for a policy. kind is the
- * algorithm, or "concurrency" (window_ms is then the lease; no burst). A
+ * algorithm, or "concurrency" (window_ms is then the lease; no burst). The
+ * burst is written only when it differs from lim: no burst and a burst of
+ * lim are one capacity, so one key. A
  * key carries the numbers its state means something under, so that no two
  * limits whose state means something else count on one key: a bucket's
  * level (token_bucket, gcra) depends on the rate and the capacity, the
@@ -235,7 +242,7 @@ rl_build_key(text *identity, const char *policy, const RlLimit *limit)
 	if (policy == NULL || limit->algorithm->bucket)
 		appendStringInfo(&keybuf, "%d", limit->lim);
 	appendStringInfo(&keybuf, "/" INT64_FORMAT, limit->window_ms);
-	if (limit->burst > 0)
+	if (limit->burst > 0 && limit->burst != limit->lim)
 		appendStringInfo(&keybuf, "/%d", limit->burst);
 	return &keybuf;
 }
