@@ -180,7 +180,8 @@ rl_check_limit(const RlLimit *limit)
  * policy name holds no '/' (rl_policy's CHECK), so the numbers are what
  * follows the suffix's last ':'. Keys of earlier releases, which rl_reset
  * still deletes: <key_prefix><kind>:{<identity>}:<policy> (policies, 1.1 to
- * 1.5 as first released) and <key_prefix><kind>:{<identity>} (1.2).
+ * 1.5 as first released) and <key_prefix><kind>:{<identity>} (1.2). The
+ * denial counts are keyed by policy instead (rl_append_denials_key).
  */
 
 /* Appends <key_prefix><kind>:{<encoded identity>} to buf. */
@@ -245,6 +246,23 @@ rl_build_key(text *identity, const char *policy, const RlLimit *limit)
 	if (limit->burst > 0 && limit->burst != limit->lim)
 		appendStringInfo(&keybuf, "/%d", limit->burst);
 	return &keybuf;
+}
+
+/*
+ * Appends to buf the key of policy's denial counts (rl_redis.track_denials)
+ * of minute, <key_prefix>denials:{<policy>}:<minute>, or, for minute
+ * RL_DENIALS_TOP, the scratch key that merges them,
+ * <key_prefix>denials:{<policy>}:top. The braces hash every key of one
+ * policy to one Redis Cluster slot; a policy name holds none.
+ */
+void
+rl_append_denials_key(StringInfo buf, const char *policy, int64 minute)
+{
+	appendStringInfo(buf, "%sdenials:{%s}:", rl_key_prefix, policy);
+	if (minute == RL_DENIALS_TOP)
+		appendStringInfoString(buf, "top");
+	else
+		appendStringInfo(buf, INT64_FORMAT, minute);
 }
 
 /*

@@ -544,6 +544,11 @@ typedef struct RlKeyParts
 extern StringInfo rl_build_key(text *identity, const char *policy,
 							   const RlLimit *limit);
 extern bool rl_parse_key(const char *key, size_t len, RlKeyParts *parts);
+
+/* the minute of rl_append_denials_key's merged key */
+#define RL_DENIALS_TOP (-1)
+extern void rl_append_denials_key(StringInfo buf, const char *policy,
+								  int64 minute);
 extern void rl_identity_keys(text *identity, StringInfo pattern,
 							 StringInfo tag);
 extern bool rl_key_of(const char *key, size_t len, StringInfo tag);
