@@ -47,8 +47,7 @@ RESULT = "SELECT (r).allowed, (r).lim, (r).remaining, (r).reset_ms, (r).retry_af
 
 def key_of(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None):
     """The documented Redis key (default prefix) of a policy's state, or of
-    an explicit limit's: every key carries lim/window_ms[/burst] (for
-    concurrency slots lim/lease_ms), a policy's after its name."""
+    an explicit limit's (conftest.rl_key)."""
     return rl_key(algorithm, identity, policy, lim, window_ms, burst)
 
 
