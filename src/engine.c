@@ -159,27 +159,30 @@ rl_check_limit(const RlLimit *limit)
  *   <key_prefix>concurrency:{<identity>}:<policy>
  *
  * the first for explicit arguments, the others for a policy. kind is the
- * algorithm, or "concurrency" (window_ms is then the lease; no burst). The
- * burst is written only when it differs from lim: no burst and a burst of
- * lim are one capacity, so one key. A
- * key carries the numbers its state means something under, so that no two
- * limits whose state means something else count on one key: a bucket's
- * level (token_bucket, gcra) depends on the rate and the capacity, the
- * second form; a count over a window (fixed, sliding, sliding_counter)
+ * algorithm, or "concurrency" (window_ms is then the lease; no burst).
+ *
+ * A key carries the numbers its state means something under, so that no
+ * two limits whose states mean different things count on one key: a
+ * bucket's level (token_bucket, gcra) depends on the rate and the capacity,
+ * the second form; a count over a window (fixed, sliding, sliding_counter)
  * depends on window_ms alone, lim being only the threshold each call
  * compares it with, the third form, where lim is left out; slots (a set of
  * absolute lease ends, compared with lim by their number) depend on none,
  * the fourth. So a policy's count or slots are kept when its lim (or lease)
  * changes, and are shared with another database's policy of the same name
  * (and window) whatever its lim, each call admitted only under its own: no
- * change of numbers holds more than lim at once. Explicit arguments keep
- * their numbers: two explicit limits are two counters. The braces
- * make every key of one identity hash to the same Redis Cluster slot;
- * inside them '%', '{' and '}' are percent-encoded, so that the hash tag is
- * never empty and never ends early, and two identities never share a key. A
- * policy name holds no '/' (rl_policy's CHECK), so the numbers are what
- * follows the suffix's last ':'. Keys of earlier releases, which rl_reset
- * still deletes: <key_prefix><kind>:{<identity>}:<policy> (policies, 1.1 to
+ * change of numbers lets more than lim through. Explicit arguments keep
+ * their numbers: two explicit limits are two counters. The burst is written
+ * only when it differs from lim: no burst and a burst of lim are one
+ * capacity, so one key.
+ *
+ * The braces make every key of one identity hash to the same Redis Cluster
+ * slot; inside them '%', '{' and '}' are percent-encoded, so that the hash
+ * tag is never empty and never ends early, and two identities never share
+ * a key. A policy name holds no '/' (rl_policy's CHECK), so a suffix with a
+ * '/' ends in numbers, after its last ':', and one without is a
+ * concurrency policy's name. Keys of earlier releases, which rl_reset still
+ * deletes: <key_prefix><kind>:{<identity>}:<policy> (rate policies, 1.1 to
  * 1.5 as first released) and <key_prefix><kind>:{<identity>} (1.2). The
  * denial counts are keyed by policy instead (rl_append_denials_key).
  */
@@ -269,8 +272,8 @@ rl_append_denials_key(StringInfo buf, const char *policy, int64 minute)
  * Fills parts from key, one of rl_redis's keys under rl_redis.key_prefix,
  * of this version or an earlier one; false when key is not one (another
  * application's, or under a longer prefix). parts->policy is NULL for
- * explicit arguments; a key of an earlier version counts as a policy's,
- * its whole suffix the name.
+ * explicit arguments; a suffix without numbers (a concurrency policy's key,
+ * or a rate policy's of an earlier version) is the policy's whole name.
  */
 bool
 rl_parse_key(const char *key, size_t len, RlKeyParts *parts)
@@ -321,7 +324,7 @@ rl_parse_key(const char *key, size_t len, RlKeyParts *parts)
 	}
 	if (!numbers)
 	{
-		parts->policy = close + 2;	/* a policy's key without its numbers */
+		parts->policy = close + 2;	/* a policy's key without numbers */
 		parts->policylen = end - parts->policy;
 	}
 	else if (last_colon != NULL)
