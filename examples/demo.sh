@@ -207,7 +207,7 @@ SQL
 # ---------------------------------------------------------------------------
 section "e) the keys in Redis"
 say "<prefix><algorithm>:{<identity>}:<lim>/<window_ms> for a limit given as arguments,"
-say "<prefix><algorithm>:{<identity>}:<policy> for a named policy: two limits on one"
+say "<prefix><algorithm>:{<identity>}:<policy>:/<window_ms> for a named sliding policy: two limits on one"
 say "identity are two counters. fixed = hash (w = window start, n = count, ts = latest clock, µs),"
 say "sliding = sorted set (one member per unit, score = time in microseconds);"
 say "every key expires on its own (PEXPIRE) once its window has passed."

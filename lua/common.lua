@@ -84,11 +84,16 @@ local function from_clock(result, real)
   return result
 end
 
--- The limit a hash state was written under, "lim/window_ms/burst" (field
--- l): a refund of charges made under another limit (a policy changed since)
--- gives nothing back, as their units cannot be told apart any more.
+-- The limit a hash state was last written under, "lim/window_ms/burst"
+-- (field l; burst 0 for none or lim, as in the key): a refund of charges made under another limit gives nothing
+-- back, as their units cannot be told apart any more. A policy's fixed
+-- window or sliding counter keeps its key when its lim changes, and is
+-- shared with another database's policy of the same name and window
+-- whatever its lim: a call under another lim since gives nothing back too.
 local function limit_sig(p)
-  return p.lim .. '/' .. string.format('%.0f', p.window_ms) .. '/' .. p.burst
+  local burst = p.burst
+  if burst == p.lim then burst = 0 end   -- the same capacity as none
+  return p.lim .. '/' .. string.format('%.0f', p.window_ms) .. '/' .. burst
 end
 
 -- A number as Redis should store it: integral values without an exponent.

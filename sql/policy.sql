@@ -18,8 +18,10 @@ SELECT * FROM rl_check('approx', 'po:u1', 0);
 -- a refund through the policy
 SELECT * FROM rl_refund('free', 'po:u1', 2);
 
--- each policy keeps its own key, which carries its numbers:
+-- each policy keeps its own key, which carries the numbers its state
+-- depends on: a bucket's rate and burst, a count's window alone:
 -- <prefix><algorithm>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
+-- <prefix><algorithm>:{<identity>}:<policy>:/<window_ms>
 SELECT current_setting('rl_redis.port') AS port \gset
 \setenv RLPORT :port
 \! redis-cli -p $RLPORT --scan --pattern 'rltest:*{po:u1}*' | sort
@@ -36,8 +38,8 @@ SELECT * FROM rl_check_all(ARRAY['free.daily', 'pro'], 'po:u2', 1);
 SELECT rl_allow_all(ARRAY['free.daily', 'free.daily'], 'po:u2', 10),
        rl_allow_all(ARRAY['free.daily'], 'po:u2', 1);
 
--- a change to the table is seen on the next call: a fresh count under the
--- new numbers
+-- a change to the table is seen on the next call: a sliding count goes on
+-- under the new lim
 UPDATE rl_policy SET lim = 10 WHERE name = 'free';
 SELECT * FROM rl_check('free', 'po:u2', 0);
 DELETE FROM rl_policy WHERE name = 'approx';

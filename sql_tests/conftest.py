@@ -172,18 +172,26 @@ def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=Non
     """The documented Redis key of a decision:
       explicit: <prefix><algorithm>:{<enc(identity)>}:<lim>/<window_ms>[/<burst>]
       policy:   <prefix><algorithm>:{<enc(identity)>}:<policy>:<lim>/<window_ms>[/<burst>]
-                (concurrency: window_ms is the lease)
-    where enc() percent-encodes '%', '{' and '}'. Give lim and window_ms (and
-    burst when the call or the policy has one), and the policy's name for a
-    policy."""
+                (token_bucket and gcra)
+                <prefix><algorithm>:{<enc(identity)>}:<policy>:/<window_ms>
+                (fixed, sliding and sliding_counter: lim is left out)
+                <prefix>concurrency:{<enc(identity)>}:<policy>
+    (concurrency: window_ms is the lease) where enc() percent-encodes '%',
+    '{' and '}', and the burst is written only when it differs from lim.
+    Give lim and window_ms (and burst when the call or the policy has one),
+    and the policy's name for a policy."""
     if lim is None or window_ms is None:
         raise ValueError("rl_key needs lim and window_ms")
     enc = identity.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
     key = "%s%s:{%s}:" % (prefix, algorithm, enc)
+    if policy is not None and algorithm == "concurrency":
+        return key + policy
     if policy is not None:
         key += policy + ":"
-    key += "%d/%d" % (lim, window_ms)
-    if burst is not None:
+    if policy is None or algorithm in ("token_bucket", "gcra"):
+        key += "%d" % lim
+    key += "/%d" % window_ms
+    if burst is not None and burst != lim:
         key += "/%d" % burst
     return key
 

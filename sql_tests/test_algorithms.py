@@ -47,8 +47,7 @@ RESULT = "SELECT (r).allowed, (r).lim, (r).remaining, (r).reset_ms, (r).retry_af
 
 def key_of(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None):
     """The documented Redis key (default prefix) of a policy's state, or of
-    an explicit limit's: every key carries lim/window_ms[/burst] (for
-    concurrency slots lim/lease_ms), a policy's after its name."""
+    an explicit limit's (conftest.rl_key)."""
     return rl_key(algorithm, identity, policy, lim, window_ms, burst)
 
 
@@ -520,25 +519,24 @@ def test_policy_change_seen_by_open_session(policies):
         got = [check(a, name, identity)[:3] for _ in range(3)]
         assert got == [(True, 2, 1), (True, 2, 0), (False, 2, 0)]
 
-        # a committed UPDATE is seen by a's next call: a fresh count under
-        # the new numbers
+        # a committed UPDATE is seen by a's next call; a fixed window's
+        # count goes on under the new lim
         b.execute("UPDATE rl_policy SET lim = 5 WHERE name = %s", (name,))
-        assert check(a, name, identity)[:3] == (True, 5, 4)
+        assert check(a, name, identity)[:3] == (True, 5, 2)
 
         # an uncommitted one is not; a rolled back one never is
         b.execute("BEGIN")
         b.execute("UPDATE rl_policy SET lim = 10 WHERE name = %s", (name,))
-        assert check(a, name, identity)[:3] == (True, 5, 3)
+        assert check(a, name, identity)[:3] == (True, 5, 1)
         b.execute("ROLLBACK")
-        assert check(a, name, identity)[:3] == (True, 5, 2)
+        assert check(a, name, identity)[:3] == (True, 5, 0)
         b.execute("BEGIN")
         b.execute("UPDATE rl_policy SET lim = 10 WHERE name = %s", (name,))
-        assert [check(a, name, identity)[:3] for _ in range(3)] == \
-            [(True, 5, 1), (True, 5, 0), (False, 5, 0)]
+        assert [check(a, name, identity)[:3] for _ in range(3)] == [(False, 5, 0)] * 3
         b.execute("COMMIT")
-        assert check(a, name, identity)[:3] == (True, 10, 9)
+        assert check(a, name, identity)[:3] == (True, 10, 4)
 
-        # back to the first numbers: their count goes on
+        # back to the first lim: the 6 units taken deny at once
         b.execute("UPDATE rl_policy SET lim = 2 WHERE name = %s", (name,))
         assert check(a, name, identity)[:3] == (False, 2, 0)
 
@@ -567,12 +565,13 @@ def test_policy_change_seen_by_open_session(policies):
             "INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, 'sliding', 7, 60000)",
             (name,),
         )
-        assert check(a, name, identity)[:3] == (True, 7, 6)  # other numbers: a fresh count
+        # the same window: the sliding count goes on under the new lim
+        assert check(a, name, identity)[:3] == (True, 7, 5)
 
 
 def test_policy_change_seen_inside_cached_rl_allow_all(policies):
     """rl_allow_all uses the same cache: an UPDATE in another session changes
-    its numbers too, and starts a fresh count under them."""
+    its numbers too; a fixed window's count goes on under the new lim."""
     with pg_connect() as a, pg_connect() as b:
         set_gucs(a, test_clock_ms=TEST_CLOCK_MS)
         p1 = policies.create(b, "fixed", 2, 60000, tag="fx")
@@ -581,8 +580,8 @@ def test_policy_change_seen_inside_cached_rl_allow_all(policies):
         q = "SELECT rl_allow_all(ARRAY[%s, %s]::text[], %s)"
         assert [a.execute(q, (p1, p2, identity)).fetchone()[0] for _ in range(3)] == [True, True, False]
         b.execute("UPDATE rl_policy SET lim = 4 WHERE name = %s", (p1,))
-        assert [a.execute(q, (p1, p2, identity)).fetchone()[0] for _ in range(5)] == [True] * 4 + [False]
-        assert check(a, p2, identity, 0)[:3] == (True, 50, 44)
+        assert [a.execute(q, (p1, p2, identity)).fetchone()[0] for _ in range(5)] == [True] * 2 + [False] * 3
+        assert check(a, p2, identity, 0)[:3] == (True, 50, 46)
 
 
 # ---------------------------------------------------------------- sliding counter vs sliding log

@@ -6,6 +6,9 @@ reads the last minutes back. Written only on a denial, bounded per minute
 and per identity, never an error of the decision.
 """
 
+import os
+import re
+import subprocess
 import threading
 import uuid
 
@@ -14,6 +17,8 @@ from psycopg import sql
 import pytest
 
 from conftest import new_ident, pg_connect, set_gucs
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
 
 # a frozen clock: every call falls in one minute
 CLOCK_MS = 1767225600000
@@ -195,3 +200,26 @@ def test_privileges(pg, policy):
             assert e.value.sqlstate == "42501"
     finally:
         pg.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_readme_uninstall_loop_deletes_the_denial_counts(policy, shared_redis, shared_redis_port):
+    """README, Uninstalling: the loop that deletes rl_redis's keys under a
+    prefix deletes every key rl_redis wrote there, the denial counts
+    (<prefix>denials:{<policy>}:<minute>) included (before the fix they
+    were left behind, to expire after a day). Run on a prefix of its own."""
+    prefix = "rl_dn_%s:" % uuid.uuid4().hex[:12]
+    conn = session(track_denials="on", key_prefix=prefix)
+    identity = new_ident("uninstall")
+    try:
+        assert [conn.execute("SELECT rl_allow(%s, %s)", (policy, identity)).fetchone()[0]
+                for _ in range(3)] == [True, True, False]
+        assert top(conn, policy) == [(identity, 1)]
+    finally:
+        conn.close()
+    written = set(shared_redis.command("KEYS", prefix + "*"))
+    assert bucket(policy, prefix=prefix) in written and len(written) == 2
+    with open(README) as f:
+        loop = re.search(r"^for kind in .*?^done$", f.read(), re.M | re.S).group(0)
+    loop = loop.replace('"rl:', '"' + prefix).replace("redis-cli", "redis-cli -p %d" % shared_redis_port)
+    subprocess.run(["bash", "-e", "-o", "pipefail", "-c", loop], check=True, timeout=30)
+    assert shared_redis.command("KEYS", prefix + "*") == []

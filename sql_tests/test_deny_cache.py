@@ -756,10 +756,10 @@ def test_work_that_gives_nothing_back_keeps_the_cache(sessions, work):
 
 def test_policy_limit_changed(sessions, policies, pg):
     """A remembered denial of a policy (fixed, lim 2) no longer applies once
-    the policy's lim is raised to 4 (another limit, on a key of its own):
-    Redis again, a fresh count of 4, then denied and remembered under lim
-    4; lowered back to 2, the first entry applies again; a longer window
-    goes to Redis."""
+    the policy's lim is raised to 4 (another limit, on the same key, whose
+    count goes on): Redis again, 2 more, then denied and remembered under
+    lim 4; lowered back to 2, the first entry applies again; a longer
+    window (another key) goes to Redis."""
     a = sessions()
     scripts = Scripts(sessions.redis)
     ident = new_ident("pol")
@@ -768,14 +768,14 @@ def test_policy_limit_changed(sessions, policies, pg):
     assert check(a, policy, ident) == (False, 2, 0, 60000, 60000)
     assert scripts.new() == 3
     pg.execute("UPDATE rl_policy SET lim = 4 WHERE name = %s", (policy,))
-    assert [check(a, policy, ident) for _ in range(4)] == \
-        [(True, 4, left, 60000, 0) for left in (3, 2, 1, 0)]
+    assert [check(a, policy, ident) for _ in range(2)] == \
+        [(True, 4, left, 60000, 0) for left in (1, 0)]
     assert check(a, policy, ident) == (False, 4, 0, 60000, 60000)
-    assert scripts.new() == 5
+    assert scripts.new() == 3
     assert check(a, policy, ident) == (False, 4, 0, 60000, 60000)
     assert scripts.new() == 0
     # back to lim 2: the first entry (lim 2, until +60 s) applies again,
-    # rightly so: the key of lim 2 still holds its 2 units
+    # rightly so: the key holds 4 units
     pg.execute("UPDATE rl_policy SET lim = 2 WHERE name = %s", (policy,))
     at(a, 1000)
     assert check(a, policy, ident) == (False, 2, 0, 59000, 59000)

@@ -2,7 +2,7 @@
  * algorithms.h
  *	  The table of rate-limit algorithms: one line each.
  *
- * RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log)
+ * RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log, bucket)
  *   name              in keys, in rl_policy.algorithm, in Lua (ALG.<name>)
  *                     and in the SQL functions rl_<name>, rl_<name>_allow
  *                     and rl_<name>_refund
@@ -12,13 +12,19 @@
  *                     removes when the charging transaction commits
  *   log               one entry per unit: lim is bounded by
  *                     rl_redis.sliding_max_lim
+ *   bucket            the state is a bucket's level, which depends on the
+ *                     rate (lim per window_ms) and the capacity (the burst,
+ *                     which only these take): a policy's key carries all
+ *                     three. Otherwise the state is a count over window_ms
+ *                     and lim only the threshold it is compared with: a
+ *                     policy's key carries window_ms alone (rl_build_key)
  *
  * C includes this file with RL_ALGORITHM defined; src/embed_lua.sh reads the
  * same lines to build the scripts. Adding an algorithm: its Lua file, one
  * line here and an SQL script creating its functions.
  */
-RL_ALGORITHM(fixed, fixed_window, true, false, false)
-RL_ALGORITHM(sliding, sliding_window, false, false, true)
-RL_ALGORITHM(token_bucket, token_bucket, false, true, false)
-RL_ALGORITHM(gcra, gcra, false, true, false)
-RL_ALGORITHM(sliding_counter, sliding_counter, true, false, false)
+RL_ALGORITHM(fixed, fixed_window, true, false, false, false)
+RL_ALGORITHM(sliding, sliding_window, false, false, true, false)
+RL_ALGORITHM(token_bucket, token_bucket, false, true, false, true)
+RL_ALGORITHM(gcra, gcra, false, true, false, true)
+RL_ALGORITHM(sliding_counter, sliding_counter, true, false, false, false)

@@ -2,9 +2,10 @@
  * denials.c
  *	  Who is being throttled: with rl_redis.track_denials, every denial of a
  *	  policy is counted per identity in Redis, in one sorted set per policy
- *	  and minute (<prefix>denials:{<policy>}:<minute>, kept a day, at most
- *	  10 000 identities each), so that every server sharing that Redis adds
- *	  to the same counts; rl_top_denied (functions.c) reads them back.
+ *	  and minute (<prefix>denials:{<policy>}:<minute>, built by
+ *	  rl_append_denials_key in engine.c; kept a day, at most 10 000
+ *	  identities each), so that every server sharing that Redis adds to the
+ *	  same counts; rl_top_denied (functions.c) reads them back.
  *
  * The count is written only when a call is denied: one more Redis call on
  * that path, none on the others. A failure to count is not an error of the
@@ -39,14 +40,6 @@ rl_denial_minute(void)
 	return (GetCurrentTimestamp() +
 			(int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY) /
 		(60 * USECS_PER_SEC);
-}
-
-/* Appends <prefix>denials:{<policy>}:<minute> to buf. */
-static void
-rl_denials_key(StringInfo buf, const char *policy, int64 minute)
-{
-	appendStringInfo(buf, "%sdenials:{%s}:" INT64_FORMAT, rl_key_prefix, policy,
-					 minute);
 }
 
 /* A member of a denial count: its bytes in a shared buffer. */
@@ -97,7 +90,7 @@ rl_note_denials(const char *policy, text **identities, int n)
 	int			from;
 
 	initStringInfo(&key);
-	rl_denials_key(&key, policy, minute);
+	rl_append_denials_key(&key, policy, minute);
 	/* the members, one after another in one buffer */
 	initStringInfo(&members);
 	for (i = 0; i < n; i++)
@@ -217,10 +210,10 @@ rl_denials_top(const char *policy, int minutes, int32 n, RlConn **connp,
 	initStringInfo(&keys);
 	for (i = 0; i < minutes; i++)
 	{
-		rl_denials_key(&keys, policy, minute - minutes + 1 + i);
+		rl_append_denials_key(&keys, policy, minute - minutes + 1 + i);
 		ends[i] = keys.len;
 	}
-	appendStringInfo(&keys, "%sdenials:{%s}:top", rl_key_prefix, policy);
+	rl_append_denials_key(&keys, policy, RL_DENIALS_TOP);
 	ends[minutes] = keys.len;
 
 	argv[2] = nkeys_s;

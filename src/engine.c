@@ -118,10 +118,10 @@ rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name)
 
 /*
  * Raises 22023 when a limit's numbers are out of range: lim and window_ms
- * positive, window_ms at most 100 years, the whole burst refilled within
- * 100 years (so that every time the scripts compute is exact in a double
- * and every expiry fits), a sliding log no longer than
- * rl_redis.sliding_max_lim.
+ * positive, window_ms at most 100 years, a burst (non-zero) only for a
+ * bucket and then positive, the whole burst refilled within 100 years (so
+ * that every time the scripts compute is exact in a double and every
+ * expiry fits), a sliding log no longer than rl_redis.sliding_max_lim.
  */
 void
 rl_check_limit(const RlLimit *limit)
@@ -141,6 +141,11 @@ rl_check_limit(const RlLimit *limit)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("window_ms must be at most " INT64_FORMAT " (100 years)",
 						RL_MAX_WINDOW_MS)));
+	if (limit->burst != 0 && !limit->algorithm->bucket)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("algorithm %s takes no burst", limit->algorithm->name),
+				 errdetail("A burst is the capacity of a token_bucket or gcra limit.")));
 	if (limit->burst < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -168,19 +173,36 @@ rl_check_limit(const RlLimit *limit)
  *
  *   <key_prefix><kind>:{<identity>}:<lim>/<window_ms>[/<burst>]
  *   <key_prefix><kind>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
+ *   <key_prefix><kind>:{<identity>}:<policy>:/<window_ms>
+ *   <key_prefix>concurrency:{<identity>}:<policy>
  *
- * the first for explicit arguments, the second for a policy. kind is the
+ * the first for explicit arguments, the others for a policy. kind is the
  * algorithm, or "concurrency" (window_ms is then the lease; no burst).
- * Every key carries the numbers it counts under, so two limits, or two
- * definitions of one policy (another database's, or the same one's before
- * its owner changed it), never count on one key. The braces make every key
- * of one identity hash to the same Redis Cluster slot; inside them '%', '{'
- * and '}' are percent-encoded, so that the hash tag is never empty and never
- * ends early, and two identities never share a key. A policy name holds no
- * '/' (rl_policy's CHECK), so the numbers are what follows the suffix's last
- * ':'. Keys of earlier releases, which rl_reset still deletes:
- * <key_prefix><kind>:{<identity>}:<policy> (policies, 1.1 to 1.5 as first
- * released) and <key_prefix><kind>:{<identity>} (1.2).
+ *
+ * A key carries the numbers its state means something under, so that no
+ * two limits whose states mean different things count on one key: a
+ * bucket's level (token_bucket, gcra) depends on the rate and the capacity,
+ * the second form; a count over a window (fixed, sliding, sliding_counter)
+ * depends on window_ms alone, lim being only the threshold each call
+ * compares it with, the third form, where lim is left out; slots (a set of
+ * absolute lease ends, compared with lim by their number) depend on none,
+ * the fourth. So a policy's count or slots are kept when its lim (or lease)
+ * changes, and are shared with another database's policy of the same name
+ * (and window) whatever its lim, each call admitted only under its own: no
+ * change of numbers lets more than lim through. Explicit arguments keep
+ * their numbers: two explicit limits are two counters. The burst is written
+ * only when it differs from lim: no burst and a burst of lim are one
+ * capacity, so one key.
+ *
+ * The braces make every key of one identity hash to the same Redis Cluster
+ * slot; inside them '%', '{' and '}' are percent-encoded, so that the hash
+ * tag is never empty and never ends early, and two identities never share
+ * a key. A policy name holds no '/' (rl_policy's CHECK), so a suffix with a
+ * '/' ends in numbers, after its last ':', and one without is a
+ * concurrency policy's name. Keys of earlier releases, which rl_reset still
+ * deletes: <key_prefix><kind>:{<identity>}:<policy> (rate policies, 1.1 to
+ * 1.5 as first released) and <key_prefix><kind>:{<identity>} (1.2). The
+ * denial counts are keyed by policy instead (rl_append_denials_key).
  */
 
 /* Appends <key_prefix><kind>:{<encoded identity>} to buf. */
@@ -233,19 +255,43 @@ rl_build_key(text *identity, const char *policy, const RlLimit *limit)
 					   "concurrency", identity);
 	appendStringInfoChar(&keybuf, ':');
 	if (policy != NULL)
-		appendStringInfo(&keybuf, "%s:", policy);
-	appendStringInfo(&keybuf, "%d/" INT64_FORMAT, limit->lim, limit->window_ms);
-	if (limit->burst > 0)
+	{
+		appendStringInfoString(&keybuf, policy);
+		if (limit->algorithm == NULL)
+			return &keybuf;		/* slots mean the same under any numbers */
+		appendStringInfoChar(&keybuf, ':');
+	}
+	if (policy == NULL || limit->algorithm->bucket)
+		appendStringInfo(&keybuf, "%d", limit->lim);
+	appendStringInfo(&keybuf, "/" INT64_FORMAT, limit->window_ms);
+	if (limit->burst > 0 && limit->burst != limit->lim)
 		appendStringInfo(&keybuf, "/%d", limit->burst);
 	return &keybuf;
+}
+
+/*
+ * Appends to buf the key of policy's denial counts (rl_redis.track_denials)
+ * of minute, <key_prefix>denials:{<policy>}:<minute>, or, for minute
+ * RL_DENIALS_TOP, the scratch key that merges them,
+ * <key_prefix>denials:{<policy>}:top. The braces hash every key of one
+ * policy to one Redis Cluster slot; a policy name holds none.
+ */
+void
+rl_append_denials_key(StringInfo buf, const char *policy, int64 minute)
+{
+	appendStringInfo(buf, "%sdenials:{%s}:", rl_key_prefix, policy);
+	if (minute == RL_DENIALS_TOP)
+		appendStringInfoString(buf, "top");
+	else
+		appendStringInfo(buf, INT64_FORMAT, minute);
 }
 
 /*
  * Fills parts from key, one of rl_redis's keys under rl_redis.key_prefix,
  * of this version or an earlier one; false when key is not one (another
  * application's, or under a longer prefix). parts->policy is NULL for
- * explicit arguments; a key of an earlier version counts as a policy's,
- * its whole suffix the name.
+ * explicit arguments; a suffix without numbers (a concurrency policy's key,
+ * or a rate policy's of an earlier version) is the policy's whole name.
  */
 bool
 rl_parse_key(const char *key, size_t len, RlKeyParts *parts)
@@ -296,7 +342,7 @@ rl_parse_key(const char *key, size_t len, RlKeyParts *parts)
 	}
 	if (!numbers)
 	{
-		parts->policy = close + 2;	/* a policy's key without its numbers */
+		parts->policy = close + 2;	/* a policy's key without numbers */
 		parts->policylen = end - parts->policy;
 	}
 	else if (last_colon != NULL)

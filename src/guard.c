@@ -120,11 +120,13 @@ rl_parse_limit_spec(const char *arg, RlLimit *limit)
 			if (sscanf(arg + len + 1 + used + 1, "%lld%n", &burst, &more) != 1)
 				return false;
 			used += 1 + more;
+			if (burst <= 0)
+				burst = -1;		/* rejected by rl_check_limit */
 		}
 		if (arg[len + 1 + used] != '\0')
 			return false;
 		if (lim <= 0 || lim > PG_INT32_MAX || window <= 0 ||
-			window > RL_MAX_WINDOW_MS || burst < 0 || burst > PG_INT32_MAX)
+			window > RL_MAX_WINDOW_MS || burst > PG_INT32_MAX)
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("invalid rate limit \"%s\"", arg),

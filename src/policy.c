@@ -3,10 +3,11 @@
  *	  Named policies (the rl_policy table) and several limits at once.
  *
  * A policy names an algorithm and its numbers; rl_check(policy, identity)
- * decides with them, on a key of its own that carries them (rl_build_key):
- *   <key_prefix><algorithm>:{<identity>}:<policy>:<lim>/<window_ms>[/<burst>]
- * so a change of the numbers, or another database's policy of the same
- * name, counts on another key.
+ * decides with them, on a key of its own that carries the numbers its state
+ * depends on (rl_build_key): a bucket's rate and burst, a count's window
+ * alone. So a change of those numbers, or another database's policy of the
+ * same name with others, counts on another key, while a count is kept
+ * when only its lim changes.
  * Policies are read from rl_policy once and cached per backend. A trigger on
  * the table sends a relcache invalidation for it on every change. Every
  * lookup first takes in the invalidations that have arrived, and reads the

@@ -325,12 +325,13 @@ typedef struct RlAlgorithm
 	bool		refund_subtracts;	/* a refund must not be sent twice */
 	bool		keeps_records;	/* the forget call cleans its keys */
 	bool		log;			/* lim bounded by rl_redis.sliding_max_lim */
+	bool		bucket;			/* takes a burst; keys carry lim and burst */
 } RlAlgorithm;
 
 /* RL_ALG_<name>: an algorithm's index in rl_algorithms */
 enum
 {
-#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log) \
+#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log, bucket) \
 	RL_ALG_##name,
 #include "algorithms.h"
 #undef RL_ALGORITHM
@@ -554,6 +555,11 @@ typedef struct RlKeyParts
 extern StringInfo rl_build_key(text *identity, const char *policy,
 							   const RlLimit *limit);
 extern bool rl_parse_key(const char *key, size_t len, RlKeyParts *parts);
+
+/* the minute of rl_append_denials_key's merged key */
+#define RL_DENIALS_TOP (-1)
+extern void rl_append_denials_key(StringInfo buf, const char *policy,
+								  int64 minute);
 extern void rl_identity_keys(text *identity, StringInfo pattern,
 							 StringInfo tag);
 extern bool rl_key_of(const char *key, size_t len, StringInfo tag);
