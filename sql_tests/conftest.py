@@ -15,13 +15,22 @@ Fixtures:
   shared_redis_port  int(os.environ["RL_REDIS_PORT"])
   shared_redis       a RedisServer-like handle (cli/command) for that Redis
   ident              a unique identity for the test
+  shared_server      a preloading PgServer of the module's own on a Redis of
+                     its own (the rl_redis worker connected), for the
+                     shared transport
+  private_server     a preloading PgServer of the module's own on the shared
+                     Redis (with on_private_server)
 
 Module-level helpers (importable from the test modules: `from conftest
-import ...`): pg_connect, new_ident, set_gucs, use_redis, rl_key, RedisServer.
+import ...`): pg_connect, new_ident, set_gucs, use_redis, rl_key, wait_for,
+own_connection_open, RedisServer, PgServer (with a look at its processes),
+redis_clients, backend_tcp_ports, and the README's privilege table
+(readme_privileges, readme_section).
 """
 
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -151,6 +160,24 @@ class QueryThread(threading.Thread):
         self.finished = time.monotonic()
 
 
+def wait_for(predicate, timeout, what, interval=0.05):
+    """Polls predicate() (exceptions count as False) until it returns a true
+    value, which is returned; raises AssertionError after timeout s."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, RespError, ValueError, KeyError, IndexError) as e:
+            last = e
+        if time.monotonic() >= deadline:
+            raise AssertionError("timed out after %.1f s waiting for %s (last error: %r)"
+                                 % (timeout, what, last))
+        time.sleep(interval)
+
+
 def new_ident(tag="t"):
     """An identity nobody else uses (curly braces are left out on purpose:
     the extension wraps the identity in {} itself)."""
@@ -208,6 +235,12 @@ def same_fixed_window(redis, window_ms, body, attempts=4):
         if t0 // window_ms == t1 // window_ms:
             return result
     pytest.fail("could not run inside one %d ms window in %d attempts" % (window_ms, attempts))
+
+
+def own_connection_open(conn):
+    """Whether the session shows an open connection in rl_redis_connections()."""
+    return conn.execute(
+        "SELECT count(*) FROM rl_redis_connections() WHERE state <> 'closed'").fetchone()[0] > 0
 
 
 def use_redis(conn, server, **gucs):
@@ -650,6 +683,87 @@ class PgServer:
         with open(self.logfile, errors="replace") as f:
             return f.read()
 
+    def postmaster_pid(self):
+        with open(os.path.join(self.datadir, "postmaster.pid")) as f:
+            return int(f.readline())
+
+    def children(self):
+        """{pid: command line} of the postmaster's child processes."""
+        pm = self.postmaster_pid()
+        out = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % name) as f:
+                    stat = f.read()
+                if int(stat.rsplit(")", 1)[1].split()[1]) != pm:
+                    continue
+                with open("/proc/%s/cmdline" % name, "rb") as f:
+                    out[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    def worker_pids(self):
+        return [pid for pid, cmd in self.children().items() if "rl_redis worker" in cmd]
+
+    def worker_pid(self, timeout=10.0):
+        """The pid of the one worker (waits for it to run)."""
+        pids = wait_for(lambda: self.worker_pids(), timeout, "the rl_redis worker")
+        assert len(pids) == 1, pids
+        return pids[0]
+
+    def clients(self):
+        """{pid: number of connections to self.redis} for every process of
+        this server that has one (the worker included)."""
+        return redis_clients(self.redis, list(self.children()))
+
+
+def backend_tcp_ports(pid):
+    """The local TCP ports of the sockets the process pid holds (from /proc:
+    the tests run as root or as the cluster owner)."""
+    inodes = set()
+    fd_dir = "/proc/%d/fd" % pid
+    for fd in os.listdir(fd_dir):
+        try:
+            link = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open("/proc/%d/net/%s" % (pid, table)) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def redis_clients(redis, pids):
+    """{pid: how many of redis's clients are sockets of that process}, for
+    the processes of pids that have any."""
+    ports = {}
+    for pid in pids:
+        try:
+            for port in backend_tcp_ports(pid):
+                ports[port] = pid
+        except OSError:  # the process is gone
+            continue
+    out = {}
+    for line in redis.command("CLIENT", "LIST").splitlines():
+        f = dict(p.split("=", 1) for p in line.split() if "=" in p)
+        pid = ports.get(int(f["addr"].rsplit(":", 1)[1]))
+        if pid is not None:
+            out[pid] = out.get(pid, 0) + 1
+    return out
+
 
 @pytest.fixture(scope="module")
 def private_server():
@@ -661,6 +775,25 @@ def private_server():
         yield server
     finally:
         server.remove()
+
+
+@pytest.fixture(scope="module")
+def shared_server():
+    """A preloaded PostgreSQL (max_connections 150) on a Redis of its own,
+    for the module; the worker has connected once (a warm-up call)."""
+    factory = RedisFactory()
+    server = None
+    try:
+        redis = factory()
+        server = PgServer(redis, max_connections=150)
+        with server.connect(transport="shared") as conn:
+            assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
+                                (new_ident("warm"),)).fetchone()[0] is True
+        yield server
+    finally:
+        if server is not None:
+            server.remove()
+        factory.cleanup()
 
 
 @pytest.fixture
@@ -753,3 +886,54 @@ def shared_redis_port():
 @pytest.fixture
 def shared_redis(shared_redis_port):
     return _SharedRedis(shared_redis_port)
+
+
+# ---------------------------------------------------------------- the README
+
+ALGORITHMS = ("fixed", "sliding", "sliding_counter", "token_bucket", "gcra")
+
+
+def readme():
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def readme_section(title):
+    """The text of README.md's section of that title (## or ###)."""
+    m = re.search(r"^#{2,3} %s\n(.*?)^##? " % re.escape(title), readme(), re.M | re.S)
+    assert m, "README.md has no section %r" % title
+    return m.group(1)
+
+
+class Row:
+    """A row of the README's privilege table: who, what they may, and the
+    function names it gives (rl_<algorithm>... stands for the five)."""
+
+    def __init__(self, who, may):
+        self.who, self.may = who, may
+        self.names = set()
+        for token in re.findall(r"`(rl_[a-z_<>]+)`", may):
+            if "<algorithm>" in token:
+                self.names |= {token.replace("<algorithm>", a) for a in ALGORITHMS}
+            else:
+                self.names.add(token)
+        self.public = "`PUBLIC`" in who
+        self.open_after_lockdown = self.public and "after the lockdown" in who
+        self.read_all_stats = "`pg_read_all_stats`" in who
+
+
+def readme_privileges():
+    """The rows of the privilege table of "Granting access" (a row with an
+    empty "who" continues the one above)."""
+    lines = readme_section("Granting access").splitlines()
+    start = lines.index("| who | may |")
+    rows, who = [], None
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        assert len(cells) == 2, line
+        who = cells[0] or who
+        rows.append(Row(who, cells[1]))
+    assert rows, "the Granting access section has no privilege table"
+    return rows

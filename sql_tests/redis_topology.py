@@ -32,7 +32,7 @@ import psycopg
 import pytest
 
 from conftest import (REDIS_CLI, REDIS_SERVER, RedisServer, RespError, _read_reply, free_port, pg_connect,
-                      resp_encode)
+                      resp_encode, wait_for)
 
 CLUSTER_NODE_TIMEOUT_MS = 1000
 SENTINEL_DOWN_AFTER_MS = 1000
@@ -95,24 +95,6 @@ def info_dict(text):
             k, v = line.split(":", 1)
             out[k] = v.strip()
     return out
-
-
-def wait_for(predicate, timeout, what, interval=0.05):
-    """Polls predicate() (exceptions count as False) until it returns a true
-    value, which is returned; raises AssertionError after timeout s."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (OSError, RespError, ValueError, KeyError, IndexError) as e:
-            last = e
-        if time.monotonic() >= deadline:
-            raise AssertionError("timed out after %.1f s waiting for %s (last error: %r)"
-                                 % (timeout, what, last))
-        time.sleep(interval)
 
 
 # ------------------------------------------------------------ hash slots

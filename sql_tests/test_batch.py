@@ -33,7 +33,6 @@ redis-server (redis_factory); the others use the shared one.
 """
 
 import re
-import os
 import random
 import threading
 import time
@@ -44,7 +43,7 @@ import psycopg.errors
 import pytest
 from psycopg import sql
 
-from conftest import QueryThread, free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import QueryThread, backend_tcp_ports, free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
 from test_faults import wait_until_active
 from test_stats import stats_row
 from redis_topology import identity_slot, made_policies, redis_cluster  # noqa: F401
@@ -181,32 +180,6 @@ def error_count(server, prefix):
     """How many error replies starting with prefix the server sent."""
     stats = info_field(server, "errorstats", "errorstat_%s" % prefix)
     return int(stats.split("=", 1)[1]) if stats else 0
-
-
-def backend_tcp_ports(pid):
-    """The local TCP ports of the sockets the process pid holds (from /proc:
-    the tests run as root or as the cluster owner)."""
-    inodes = set()
-    fd_dir = "/proc/%d/fd" % pid
-    for fd in os.listdir(fd_dir):
-        try:
-            link = os.readlink(os.path.join(fd_dir, fd))
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open("/proc/%d/net/%s" % (pid, table)) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 def clients_from(node, ports):

@@ -21,7 +21,6 @@ of a fresh install locked down.
 """
 
 import contextlib
-import os
 import re
 import uuid
 
@@ -29,10 +28,9 @@ import psycopg
 from psycopg import sql
 import pytest
 
-from conftest import control_version, pg_connect
+from conftest import control_version, pg_connect, readme_privileges, readme_section
 
 INSUFFICIENT_PRIVILEGE = "42501"
-ALGORITHMS = ("fixed", "sliding", "sliding_counter", "token_bucket", "gcra")
 ROLES = ("app", "support", "table_owner", "limits_admin")
 
 # the lockdown block of the 1.4 README (released; the six functions)
@@ -65,52 +63,6 @@ GRANT EXECUTE ON FUNCTION rl_reset(text), rl_refund(text, text, integer) TO supp
 GRANT EXECUTE ON FUNCTION rl_guard(), rl_guard_statement() TO table_owner;
 GRANT INSERT, UPDATE, DELETE ON rl_policy TO limits_admin;
 """
-
-
-def readme():
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
-        return f.read()
-
-
-def readme_section(title):
-    """The text of README.md's section of that title (## or ###)."""
-    m = re.search(r"^#{2,3} %s\n(.*?)^##? " % re.escape(title), readme(), re.M | re.S)
-    assert m, "README.md has no section %r" % title
-    return m.group(1)
-
-
-class Row:
-    """A row of the README's privilege table: who, what they may, and the
-    function names it gives (rl_<algorithm>... stands for the five)."""
-
-    def __init__(self, who, may):
-        self.who, self.may = who, may
-        self.names = set()
-        for token in re.findall(r"`(rl_[a-z_<>]+)`", may):
-            if "<algorithm>" in token:
-                self.names |= {token.replace("<algorithm>", a) for a in ALGORITHMS}
-            else:
-                self.names.add(token)
-        self.public = "`PUBLIC`" in who
-        self.open_after_lockdown = self.public and "after the lockdown" in who
-        self.read_all_stats = "`pg_read_all_stats`" in who
-
-
-def readme_privileges():
-    """The rows of the privilege table of "Granting access" (a row with an
-    empty "who" continues the one above)."""
-    lines = readme_section("Granting access").splitlines()
-    start = lines.index("| who | may |")
-    rows, who = [], None
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip("|").split(" | ")]
-        assert len(cells) == 2, line
-        who = cells[0] or who
-        rows.append(Row(who, cells[1]))
-    assert rows, "the Granting access section has no privilege table"
-    return rows
 
 
 def table(procs):

@@ -65,10 +65,10 @@ import psycopg
 import psycopg.errors
 import pytest
 
-import conftest
-from conftest import QueryThread, RedisFactory, new_ident, pg_connect, rl_key, set_gucs
-from redis_topology import made_policies, wait_for
-from test_batch import backend_tcp_ports, wait_until_active
+from conftest import (PgServer, QueryThread, new_ident, own_connection_open, pg_connect, redis_clients,
+                      rl_key, set_gucs, wait_for)
+from redis_topology import made_policies
+from test_batch import wait_until_active
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
 CENTURY_MS = 3153600000000  # a fixed window no test run crosses
@@ -81,68 +81,6 @@ WORKER_EXITED = "the rl_redis worker exited while a call to Redis was on its way
 WORKER_RESTART_S = 0  # rl_redis.worker_restart_interval of the servers whose worker is killed
 
 
-# ---------------------------------------------------------------- a server
-
-
-class PgServer(conftest.PgServer):
-    """conftest's throwaway PostgreSQL, with a look at its processes."""
-
-    def postmaster_pid(self):
-        with open(os.path.join(self.datadir, "postmaster.pid")) as f:
-            return int(f.readline())
-
-    def children(self):
-        """{pid: command line} of the postmaster's child processes."""
-        pm = self.postmaster_pid()
-        out = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open("/proc/%s/stat" % name) as f:
-                    stat = f.read()
-                if int(stat.rsplit(")", 1)[1].split()[1]) != pm:
-                    continue
-                with open("/proc/%s/cmdline" % name, "rb") as f:
-                    out[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except (OSError, ValueError, IndexError):
-                continue
-        return out
-
-    def worker_pids(self):
-        return [pid for pid, cmd in self.children().items() if "rl_redis worker" in cmd]
-
-    def worker_pid(self, timeout=10.0):
-        """The pid of the one worker (waits for it to run)."""
-        pids = wait_for(lambda: self.worker_pids(), timeout, "the rl_redis worker")
-        assert len(pids) == 1, pids
-        return pids[0]
-
-    def clients(self):
-        """{pid: number of connections to self.redis} for every process of
-        this server that has one (the worker included)."""
-        return redis_clients(self.redis, list(self.children()))
-
-
-def redis_clients(redis, pids):
-    """{pid: how many of redis's clients are sockets of that process}, for
-    the processes of pids that have any."""
-    ports = {}
-    for pid in pids:
-        try:
-            for port in backend_tcp_ports(pid):
-                ports[port] = pid
-        except OSError:  # the process is gone
-            continue
-    out = {}
-    for line in redis.command("CLIENT", "LIST").splitlines():
-        f = dict(p.split("=", 1) for p in line.split() if "=" in p)
-        pid = ports.get(int(f["addr"].rsplit(":", 1)[1]))
-        if pid is not None:
-            out[pid] = out.get(pid, 0) + 1
-    return out
-
-
 def close_and_wait(conns, timeout=15.0):
     """Closes the sessions and waits until their backends have exited (so
     that their Redis connections are gone too)."""
@@ -151,12 +89,6 @@ def close_and_wait(conns, timeout=15.0):
         c.close()
     wait_for(lambda: not any(os.path.exists("/proc/%d" % p) for p in pids), timeout,
              "the backends to exit")
-
-
-def own_connection_open(conn):
-    """Whether the session shows an open connection in rl_redis_connections()."""
-    return conn.execute(
-        "SELECT count(*) FROM rl_redis_connections() WHERE state <> 'closed'").fetchone()[0] > 0
 
 
 # ---------------------------------------------------------------- calls
@@ -216,25 +148,6 @@ def run_threads(n, body, timeout=180):
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def shared_server():
-    """A preloaded PostgreSQL (max_connections 150) on a Redis of its own,
-    for the module; the worker has connected once (a warm-up call)."""
-    factory = RedisFactory()
-    server = None
-    try:
-        redis = factory()
-        server = PgServer(redis, max_connections=150)
-        with server.connect(transport="shared") as conn:
-            assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
-                                (new_ident("warm"),)).fetchone()[0] is True
-        yield server
-    finally:
-        if server is not None:
-            server.remove()
-        factory.cleanup()
 
 
 @pytest.fixture

@@ -1,0 +1,573 @@
+"""Every entry path of rl_redis in every cell of the transport and topology
+matrix (issue 19): one set of promises, kept by each way in.
+
+Cells: rl_redis.transport = backend and shared on a standalone Redis, and
+Redis Cluster (3 masters, 3 replicas) with transport = backend only: the
+shared transport needs mode = standalone (a session in cluster mode uses
+its own connections), so there is no shared cell for the cluster. The
+standalone cells run on one preloading server of the module
+(conftest's shared_server, its worker and its own Redis), the cluster cell
+on the run's server and the module's cluster (redis_topology's
+redis_cluster); each kind is an xdist group of its own, so that one worker
+starts each server once.
+
+Entry paths: the explicit decisions rl_<algorithm> and
+rl_<algorithm>_allow, the policies rl_check / rl_allow and rl_check_all /
+rl_allow_all, the batches rl_check_many and rl_<algorithm>_many (each for
+the five algorithms), the row guard (rl_guard) and the statement guard
+(rl_guard_statement) on a policy, the concurrency slots rl_acquire /
+rl_acquire_allow (a policy) and rl_concurrency_acquire /
+rl_concurrency_acquire_allow (explicit), and the refunds
+rl_<algorithm>_refund and rl_refund.
+
+What each cell asserts, on a fresh identity under a key prefix of the
+test's own (rl_redis.key_prefix), on the frozen test clock:
+  limit      lim 3, 5 calls (or a batch of 5 copies) in one transaction:
+             exactly the first 3 allowed; after COMMIT a rate limit admits
+             nothing more and a concurrency limit has its 3 slots back
+  bound      an identity of rl_redis.max_identity_bytes + 1 bytes (in a
+             batch or a statement beside a short one): 54000, and no key
+             written under the prefix; one of exactly the bound is decided
+  rollback   rl_redis.refund_on_abort = 'all'; BEGIN; 2 units; ROLLBACK:
+             the full quota again (3 of 5 allowed)
+  terminate  the concurrency paths: a session holding the only slot (lim
+             1, lease 10 minutes) in an open transaction is ended by
+             pg_terminate_backend; another session takes the slot within
+             5 s (the lease cannot have ended)
+  timeout    the concurrency paths: an acquire (lim 1) ended by
+             statement_timeout (57014) while the node holding the slot is
+             held by CLIENT PAUSE (the call sent, or queued for the worker);
+             once the pause ends, another session takes the slot within 5 s
+  privilege  a role granted nothing (SET ROLE in a session the superuser
+             set up) can execute the path exactly when the README's
+             privilege table gives its functions to PUBLIC: then the limit
+             holds for it too; else 42501 and no key written (the guards:
+             CREATE TRIGGER with rl_guard on its own temporary table)
+  refunds    (rl_<algorithm>_refund, rl_refund) 3 units taken, 2 given
+             back: 2 remaining; 5 more given back: 3 (never above lim), and
+             3 of 5 allowed; the bound of a refund is 1 MB, not
+             max_identity_bytes: a refund of max_identity_bytes + 1 bytes
+             is accepted and writes no key, one of 1 MB + 1 is 54000
+In the shared cell, every path but the batches (which go on the session's
+own connection by design) is served by the worker: the session opens no
+connection of its own.
+"""
+
+import os
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import conftest
+from conftest import new_ident, own_connection_open, pg_connect, readme_privileges, set_gucs, wait_for
+from redis_topology import made_policies, redis_cluster  # noqa: F401
+
+TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
+WINDOW_MS = 60000
+LEASE_MS = 600000  # 10 minutes: no slot's lease ends during a test
+LIM = 3
+PAUSE_MS = 400  # CLIENT PAUSE of the node holding a timed-out acquire
+MAX_REFUND_IDENTITY = 1024 * 1024  # the bound of what only touches existing state
+ALGORITHMS = conftest.ALGORITHMS
+COLS = "(r).allowed, (r).remaining"
+
+STANDALONE = pytest.mark.xdist_group("entry_matrix_standalone")
+CLUSTER = pytest.mark.xdist_group("entry_matrix_cluster")
+CELLS = [pytest.param("backend", marks=STANDALONE), pytest.param("shared", marks=STANDALONE),
+         pytest.param("cluster", marks=CLUSTER)]
+
+
+# ---------------------------------------------------------------- a cell
+
+
+class Cell:
+    """One transport and topology: sessions (superuser, frozen clock, the
+    test's key prefix), an admin session, policies and guarded tables of
+    the test's own, the keys under the prefix, roles granted nothing."""
+
+    def __init__(self, name, connect, point, nodes, node_of):
+        self.name, self._connect, self._point, self.nodes = name, connect, point, nodes
+        self.node_of = node_of  # the node that holds an identity's keys
+        self.prefix = "rlm%s:" % os.urandom(6).hex()
+        self.conns, self.roles, self.tables = [], [], []
+        self.admin = self._connect()
+        self._policies = made_policies(self.admin, "t_matrix")
+        self.policy = next(self._policies)
+
+    def session(self, **gucs):
+        """A new superuser session of the cell."""
+        conn = self._connect()
+        self.conns.append(conn)
+        self._point(conn)
+        gucs.setdefault("test_clock_ms", TEST_CLOCK_MS)
+        set_gucs(conn, key_prefix=self.prefix, **gucs)
+        return conn
+
+    def keys(self):
+        """Every key under the test's prefix, on every node."""
+        found = []
+        for node in self.nodes:
+            cursor = "0"
+            while True:
+                cursor, batch = node.command("SCAN", cursor, "MATCH", self.prefix + "*",
+                                             "COUNT", 1000)
+                found += batch
+                if cursor == "0":
+                    break
+        return found
+
+    def guarded_table(self, trigger):
+        """A new table (tenant text) with the trigger trigger % table."""
+        name = "rl_matrix_%s" % os.urandom(6).hex()
+        self.admin.execute(sql.SQL("CREATE TABLE {} (tenant text NOT NULL)").format(
+            sql.Identifier(name)))
+        self.tables.append(name)
+        self.admin.execute(trigger % name)
+        return name
+
+    def role(self):
+        """A new role, granted nothing."""
+        name = "rl_matrix_%s" % os.urandom(6).hex()
+        self.admin.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(name)))
+        self.roles.append(name)
+        return name
+
+    def close(self):
+        """Closes the sessions and drops what the test made."""
+        for conn in self.conns:
+            conn.close()
+        for name in self.tables:
+            self.admin.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
+        for name in self.roles:
+            self.admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+        next(self._policies, None)  # deletes the policies
+        self.admin.close()
+
+
+@pytest.fixture(params=CELLS)
+def cell(request):
+    """The cell of the test's parameter (backend, shared or cluster)."""
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        masters = cluster.masters()
+
+        def point(conn):
+            set_gucs(conn, mode="cluster", nodes=masters[0].addr, retry_interval=0)
+        made = Cell("cluster", pg_connect, point, masters, cluster.master_of_identity)
+    else:
+        server = request.getfixturevalue("shared_server")
+        transport = request.param
+        made = Cell(transport, server.connect, lambda conn: set_gucs(conn, transport=transport),
+                    [server.redis], lambda identity: server.redis)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def sqlstate_of(call):
+    """The SQLSTATE of the error that call() raises (fails when none)."""
+    with pytest.raises(psycopg.Error) as excinfo:
+        call()
+    return excinfo.value.sqlstate
+
+
+def identity_of(size, tag):
+    """A fresh identity of exactly size bytes."""
+    base = new_ident(tag) + ":"
+    assert len(base) <= size
+    return base + "x" * (size - len(base))
+
+
+def max_identity_bytes(conn):
+    """rl_redis.max_identity_bytes of the session, in bytes."""
+    return conn.execute(
+        "SELECT pg_size_bytes(current_setting('rl_redis.max_identity_bytes'))").fetchone()[0]
+
+
+# ---------------------------------------------------------------- the paths
+
+
+class Path:
+    """An entry path: prepare(cell, algorithm, lim) makes what it needs (a
+    policy, a guarded table) and returns it; calls(conn, ctx, identity, n)
+    makes n decisions of one unit in the session's transaction and returns
+    whether each was allowed."""
+
+    functions = ()  # what the path executes (for the privilege table)
+    algorithms = ALGORITHMS
+    concurrency = False
+    via_worker = True
+
+    def __init__(self, name):
+        self.name = name
+
+    def prepare(self, cell, algorithm, lim):
+        return cell.policy(algorithm, lim, WINDOW_MS)
+
+    def bound_call(self, conn, ctx, short, long):
+        """The call that must be refused for the identity long."""
+        return self.calls(conn, ctx, long, 1)
+
+    def role_attempt(self, conn, ctx, identity):
+        """What a role granted nothing tries (returns the decisions)."""
+        with conn.transaction():
+            return self.calls(conn, ctx, identity, 5)
+
+    def __repr__(self):
+        return self.name
+
+
+class Explicit(Path):
+    """rl_<algorithm> or rl_<algorithm>_allow with the limit in the call."""
+
+    def __init__(self, suffix):
+        super().__init__("rl_<algorithm>" + suffix)
+        self.suffix = suffix
+        self.functions = ["rl_%s%s" % (a, suffix) for a in ALGORITHMS]
+
+    def prepare(self, cell, algorithm, lim):
+        return algorithm, lim
+
+    def calls(self, conn, ctx, identity, n):
+        algorithm, lim = ctx
+        if self.suffix:
+            query = "SELECT rl_%s_allow(%%s, %%s, %%s)" % algorithm
+        else:
+            query = "SELECT (r).allowed FROM rl_%s(%%s, %%s, %%s) AS r" % algorithm
+        return [conn.execute(query, (identity, lim, WINDOW_MS)).fetchone()[0] for _ in range(n)]
+
+
+class Policy(Path):
+    """A decision on a policy (several: the policy and a looser one)."""
+
+    def __init__(self, function, several=False):
+        super().__init__(function)
+        self.functions = [function]
+        self.several = several
+
+    def prepare(self, cell, algorithm, lim):
+        if self.several:  # the tighter of two limits decides
+            return "{%s,%s}" % (cell.policy(algorithm, lim + 5, WINDOW_MS),
+                                cell.policy(algorithm, lim, WINDOW_MS))
+        return cell.policy(algorithm, lim, WINDOW_MS)
+
+    def calls(self, conn, ctx, identity, n):
+        if self.name.startswith("rl_allow"):
+            query = "SELECT %s(%%s, %%s)" % self.name
+        else:
+            query = "SELECT (r).allowed FROM %s(%%s, %%s) AS r" % self.name
+        return [conn.execute(query, (ctx, identity)).fetchone()[0] for _ in range(n)]
+
+
+class Batch(Path):
+    """One call with n copies of the identity."""
+
+    via_worker = False
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.functions = ([name] if name == "rl_check_many"
+                          else ["rl_%s_many" % a for a in ALGORITHMS])
+
+    def prepare(self, cell, algorithm, lim):
+        if self.name == "rl_check_many":
+            return "SELECT allowed FROM rl_check_many(%s, %%s)" % sql.Literal(
+                cell.policy(algorithm, lim, WINDOW_MS)).as_string(cell.admin)
+        return "SELECT allowed FROM rl_%s_many(%%s, %d, %d)" % (algorithm, lim, WINDOW_MS)
+
+    def calls(self, conn, ctx, identity, n):
+        return self.batch(conn, ctx, [identity] * n)
+
+    @staticmethod
+    def batch(conn, ctx, identities):
+        """The decisions of one batch, in the identities' order."""
+        return [row[0] for row in conn.execute(ctx, (identities,)).fetchall()]
+
+    def bound_call(self, conn, ctx, short, long):
+        return self.batch(conn, ctx, [short, long])
+
+
+class Guard(Path):
+    """Inserts of one row each (in a savepoint each: a denied one ends with
+    PT429)."""
+
+    algorithms = ("fixed", "gcra")
+
+    def __init__(self, function):
+        super().__init__(function)
+        self.functions = [function]
+
+    def trigger(self, policy):
+        """CREATE TRIGGER of the guard on the policy, for a table's name."""
+        if self.name == "rl_guard":
+            return ("CREATE TRIGGER g AFTER INSERT ON %%s FOR EACH ROW "
+                    "EXECUTE FUNCTION rl_guard('%s', 'tenant')" % policy)
+        return ("CREATE TRIGGER g AFTER INSERT ON %%s REFERENCING NEW TABLE AS n "
+                "FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('%s', 'tenant')" % policy)
+
+    def prepare(self, cell, algorithm, lim):
+        return cell.guarded_table(self.trigger(cell.policy(algorithm, lim, WINDOW_MS)))
+
+    def insert(self, conn, table, tenants):
+        """Whether one INSERT of the tenants' rows passed the guard."""
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("INSERT INTO {} (tenant) SELECT unnest(%s::text[])").format(
+                    sql.Identifier(table)), (tenants,))
+            return True
+        except psycopg.Error as e:
+            if e.sqlstate != "PT429":
+                raise
+            return False
+
+    def calls(self, conn, ctx, identity, n):
+        return [self.insert(conn, ctx, [identity]) for _ in range(n)]
+
+    def bound_call(self, conn, ctx, short, long):
+        if self.name == "rl_guard_statement":  # one statement of both rows
+            return self.insert(conn, ctx, [short, long])
+        return self.calls(conn, ctx, long, 1)
+
+    def role_attempt(self, conn, ctx, identity):
+        """A guard trigger on a table of the role's own."""
+        conn.execute("CREATE TEMPORARY TABLE mine (tenant text NOT NULL)")
+        try:
+            conn.execute(self.trigger("any") % "mine")
+        finally:  # nothing of the role's is left when the test drops it
+            conn.execute("DROP TABLE mine")
+
+
+class Concurrency(Path):
+    """Slots (a lease of 10 minutes), given back at the transaction's end."""
+
+    concurrency = True
+    algorithms = ("concurrency",)
+
+    def __init__(self, function):
+        super().__init__(function)
+        self.functions = [function]
+
+    def prepare(self, cell, algorithm, lim):
+        if self.name.startswith("rl_acquire"):  # a concurrency policy
+            args = "%s, %%s" % sql.Literal(
+                cell.policy("concurrency", lim, LEASE_MS)).as_string(cell.admin)
+        else:
+            args = "%%s, %d, %d" % (lim, LEASE_MS)
+        if self.name.endswith("_allow"):
+            return "SELECT %s(%s)" % (self.name, args)
+        return "SELECT (r).allowed FROM %s(%s) AS r" % (self.name, args)
+
+    def calls(self, conn, ctx, identity, n):
+        return [conn.execute(ctx, (identity,)).fetchone()[0] for _ in range(n)]
+
+
+PATHS = [
+    Explicit(""), Explicit("_allow"),
+    Policy("rl_check"), Policy("rl_allow"),
+    Policy("rl_check_all", several=True), Policy("rl_allow_all", several=True),
+    Batch("rl_check_many"), Batch("rl_<algorithm>_many"),
+    Guard("rl_guard"), Guard("rl_guard_statement"),
+    Concurrency("rl_acquire"), Concurrency("rl_acquire_allow"),
+    Concurrency("rl_concurrency_acquire"), Concurrency("rl_concurrency_acquire_allow"),
+]
+CONCURRENCY_PATHS = [p for p in PATHS if p.concurrency]
+ALLOWED_THEN_DENIED = [True] * LIM + [False] * 2
+
+
+def public(functions):
+    """Whether the README's privilege table gives every one of the
+    functions to PUBLIC by default (each must be named by one row)."""
+    rows = readme_privileges()
+    result = set()
+    for function in functions:
+        named = [r for r in rows if function in r.names]
+        assert len(named) == 1, function
+        result.add(named[0].public)
+    assert len(result) == 1, functions
+    return result.pop()
+
+
+# ---------------------------------------------------------------- the cells
+
+
+@pytest.mark.parametrize("path", PATHS, ids=repr)
+def test_limit(cell, path):
+    """lim 3: 3 of 5 in one transaction, then nothing more (a rate) or the
+    3 slots back (concurrency); in the shared cell, only the batches open a
+    connection of the session's own."""
+    conn = cell.session()
+    for algorithm in path.algorithms:
+        ctx = path.prepare(cell, algorithm, LIM)
+        ident = new_ident("limit")
+        with conn.transaction():
+            assert path.calls(conn, ctx, ident, 5) == ALLOWED_THEN_DENIED, algorithm
+        if path.concurrency:  # the slots came back at COMMIT
+            with conn.transaction():
+                assert path.calls(conn, ctx, ident, 5) == ALLOWED_THEN_DENIED
+        else:
+            assert path.calls(conn, ctx, ident, 2) == [False, False], algorithm
+    if cell.name == "shared":
+        assert own_connection_open(conn) is not path.via_worker
+
+
+@pytest.mark.parametrize("path", PATHS, ids=repr)
+def test_identity_bound(cell, path):
+    """max_identity_bytes + 1 bytes: 54000 and no key written; the bound
+    itself passes."""
+    conn = cell.session()
+    bound = max_identity_bytes(conn)
+    # the bound is the one argument checker's: each function once
+    for algorithm in path.algorithms[:len(path.functions)]:
+        ctx = path.prepare(cell, algorithm, LIM)
+        short, long = identity_of(60, "short"), identity_of(bound + 1, "long")
+        before = sorted(cell.keys())
+        assert sqlstate_of(lambda: path.bound_call(conn, ctx, short, long)) == "54000"
+        assert sorted(cell.keys()) == before, algorithm
+        with conn.transaction():
+            assert path.calls(conn, ctx, identity_of(bound, "bound"), 1) == [True]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=repr)
+def test_rollback_gives_back(cell, path):
+    """refund_on_abort = all: 2 units taken in a rolled-back transaction
+    come back, exactly."""
+    conn = cell.session(refund_on_abort="all")
+    for algorithm in path.algorithms:
+        ctx = path.prepare(cell, algorithm, LIM)
+        ident = new_ident("rollback")
+        conn.execute("BEGIN")
+        assert path.calls(conn, ctx, ident, 2) == [True, True]
+        conn.execute("ROLLBACK")
+        with conn.transaction():
+            assert path.calls(conn, ctx, ident, 5) == ALLOWED_THEN_DENIED, algorithm
+
+
+def wait_until_taken(path, conn, ctx, identity, what):
+    """Until the session takes the slot (each try a transaction of its own,
+    which gives a slot it took back); 5 s at most."""
+    def taken():
+        with conn.transaction():
+            return path.calls(conn, ctx, identity, 1) == [True]
+    wait_for(taken, 5.0, what)
+
+
+@pytest.mark.parametrize("path", CONCURRENCY_PATHS, ids=repr)
+def test_terminated_holder_gives_back(cell, path):
+    """The holder of the only slot terminated in its transaction: another
+    session takes the slot within 5 s (lease 10 minutes)."""
+    ctx = path.prepare(cell, "concurrency", 1)
+    ident = new_ident("terminate")
+    holder, other = cell.session(), cell.session()
+    pid = holder.info.backend_pid
+    holder.execute("BEGIN")
+    assert path.calls(holder, ctx, ident, 1) == [True]
+    with other.transaction():
+        assert path.calls(other, ctx, ident, 1) == [False]
+    assert cell.admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0]
+    wait_for(lambda: cell.admin.execute("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s",
+                                        (pid,)).fetchone()[0], 10.0, "the backend to exit")
+    wait_until_taken(path, other, ctx, ident, "the terminated holder's slot")
+
+
+@pytest.mark.parametrize("path", CONCURRENCY_PATHS, ids=repr)
+def test_timed_out_acquire_gives_back(cell, path):
+    """An acquire ended by statement_timeout while its node is paused:
+    once the pause ends, another session takes the slot within 5 s."""
+    ctx = path.prepare(cell, "concurrency", 1)
+    ident = new_ident("timeout")
+    holder, other = cell.session(), cell.session()
+    holder.execute("SET statement_timeout = '100ms'")
+    holder.execute("BEGIN")
+    cell.node_of(ident).command("CLIENT", "PAUSE", str(PAUSE_MS), "ALL")
+    assert sqlstate_of(lambda: path.calls(holder, ctx, ident, 1)) == "57014"
+    holder.execute("ROLLBACK")
+    wait_until_taken(path, other, ctx, ident, "the timed-out acquire's slot")
+
+
+@pytest.mark.parametrize("path", PATHS, ids=repr)
+def test_privilege(cell, path):
+    """A role granted nothing executes the path as the README's privilege
+    table says: the limit holds for it, or 42501 and no key written."""
+    ctx = path.prepare(cell, path.algorithms[0], LIM)
+    role = cell.role()
+    conn = cell.session()
+    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(role)))
+    ident = new_ident("privilege")
+    if public(path.functions):
+        assert path.role_attempt(conn, ctx, ident) == ALLOWED_THEN_DENIED
+    else:
+        assert sqlstate_of(lambda: path.role_attempt(conn, ctx, ident)) == "42501"
+        assert cell.keys() == []
+    conn.execute("RESET ROLE")
+
+
+# ---------------------------------------------------------------- refunds
+
+
+class Refund:
+    """A refund path and the decision that charges what it gives back."""
+
+    def __init__(self, name):
+        self.name = name
+        self.functions = ([name] if name == "rl_refund"
+                          else ["rl_%s_refund" % a for a in ALGORITHMS])
+
+    def prepare(self, cell, algorithm):
+        if self.name == "rl_refund":
+            policy = sql.Literal(cell.policy(algorithm, LIM, WINDOW_MS)).as_string(cell.admin)
+            return ("SELECT %s FROM rl_check(%s, %%s, %%s) AS r" % (COLS, policy),
+                    "SELECT %s FROM rl_refund(%s, %%s, %%s) AS r" % (COLS, policy))
+        return tuple("SELECT %s FROM rl_%s%s(%%s, %d, %d, %%s) AS r"
+                     % (COLS, algorithm, suffix, LIM, WINDOW_MS) for suffix in ("", "_refund"))
+
+    def __repr__(self):
+        return self.name
+
+
+REFUNDS = [Refund("rl_<algorithm>_refund"), Refund("rl_refund")]
+
+
+@pytest.mark.parametrize("path", REFUNDS, ids=repr)
+def test_refund_exact(cell, path):
+    """3 taken, 2 given back: 2 remaining; 5 more: lim, never above it."""
+    conn = cell.session()
+    for algorithm in ALGORITHMS:
+        charge, refund = path.prepare(cell, algorithm)
+        ident = new_ident("refund")
+        assert conn.execute(charge, (ident, 3)).fetchone() == (True, 0), algorithm
+        assert conn.execute(refund, (ident, 2)).fetchone()[1] == 2, algorithm
+        assert conn.execute(charge, (ident, 0)).fetchone() == (True, 2), algorithm
+        assert conn.execute(refund, (ident, 5)).fetchone()[1] == LIM, algorithm
+        assert [conn.execute(charge, (ident, 1)).fetchone()[0] for _ in range(5)] == \
+            ALLOWED_THEN_DENIED, algorithm
+
+
+@pytest.mark.parametrize("path", REFUNDS, ids=repr)
+def test_refund_identity_bound(cell, path):
+    """A refund takes identities up to 1 MB (over max_identity_bytes: no
+    key made); over 1 MB: 54000; no key written either way."""
+    conn = cell.session()
+    charge, refund = path.prepare(cell, "fixed")
+    over = identity_of(max_identity_bytes(conn) + 1, "over")
+    conn.execute(refund, (over, 1))
+    too_long = identity_of(MAX_REFUND_IDENTITY + 1, "huge")
+    assert sqlstate_of(lambda: conn.execute(refund, (too_long, 1))) == "54000"
+    assert cell.keys() == []
+
+
+@pytest.mark.parametrize("path", REFUNDS, ids=repr)
+def test_refund_privilege(cell, path):
+    """A role granted nothing may not give back (as the README's table
+    says): 42501 and the charge stays."""
+    charge, refund = path.prepare(cell, "fixed")
+    ident = new_ident("refund")
+    admin_session = cell.session()
+    assert admin_session.execute(charge, (ident, 3)).fetchone() == (True, 0)
+    conn = cell.session()
+    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(cell.role())))
+    assert not public(path.functions)
+    assert sqlstate_of(lambda: conn.execute(refund, (ident, 3))) == "42501"
+    conn.execute("RESET ROLE")
+    assert admin_session.execute(charge, (ident, 0)).fetchone() == (True, 0)
