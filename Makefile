@@ -20,7 +20,8 @@ OBJS = \
 	src/policy.o \
 	src/concurrency.o \
 	src/guard.o \
-	src/worker.o
+	src/worker.o \
+	src/xact_end.o
 
 DATA = $(wildcard sql/rl_redis--*.sql)
 PGFILEDESC = "rl_redis - rate limiting in Redis for PostgreSQL"

@@ -154,9 +154,9 @@ rl_release_asking(void)
 	asking = NULL;
 }
 
-/* Gives back every slot of a transaction that ends. */
-static void
-rl_concurrency_xact_callback(XactEvent event, void *arg)
+/* Gives back every slot of a transaction that ends (src/xact_end.c). */
+void
+rl_concurrency_xact_end(XactEvent event)
 {
 	if (event == XACT_EVENT_COMMIT || event == XACT_EVENT_ABORT ||
 		event == XACT_EVENT_PARALLEL_COMMIT ||
@@ -169,11 +169,10 @@ rl_concurrency_xact_callback(XactEvent event, void *arg)
 
 /*
  * Gives back the slots of a rolled-back subtransaction; those of a committed
- * one now belong to its parent.
+ * one now belong to its parent (src/xact_end.c).
  */
-static void
-rl_concurrency_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
-								SubTransactionId parentSubid, void *arg)
+void
+rl_concurrency_subxact_end(SubXactEvent event)
 {
 	int			level = GetCurrentTransactionNestLevel();
 	ListCell   *lc;
@@ -193,14 +192,6 @@ rl_concurrency_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 				slot->nestlevel = level - 1;
 		}
 	}
-}
-
-/* Registers the transaction callbacks; called once from _PG_init. */
-void
-rl_concurrency_init(void)
-{
-	RegisterXactCallback(rl_concurrency_xact_callback, NULL);
-	RegisterSubXactCallback(rl_concurrency_subxact_callback, NULL);
 }
 
 /*

@@ -652,9 +652,12 @@ rl_scope_close(void)
 	MemoryContextDelete(scope->cxt);
 }
 
-/* Gives back or forgets the charges at the end of a transaction. */
-static void
-rl_refund_xact_callback(XactEvent event, void *arg)
+/*
+ * Gives back or forgets the charges at the end of a transaction
+ * (src/xact_end.c).
+ */
+void
+rl_refund_xact_end(XactEvent event)
 {
 	RlHold		hold;
 
@@ -711,11 +714,11 @@ rl_refund_xact_callback(XactEvent event, void *arg)
 
 /*
  * Gives back the charges of an aborted subtransaction; hands those of a
- * committed one to its parent. Costs O(the subtransaction's own keys).
+ * committed one to its parent (src/xact_end.c). Costs O(the
+ * subtransaction's own keys).
  */
-static void
-rl_refund_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
-						   SubTransactionId parentSubid, void *arg)
+void
+rl_refund_subxact_end(SubXactEvent event)
 {
 	RlHold		hold;
 
@@ -743,12 +746,4 @@ rl_refund_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 		rl_scope_merge_up(innermost);
 		rl_scope_close();
 	}
-}
-
-/* Registers the callbacks; called once from _PG_init. */
-void
-rl_refund_init(void)
-{
-	RegisterXactCallback(rl_refund_xact_callback, NULL);
-	RegisterSubXactCallback(rl_refund_subxact_callback, NULL);
 }

@@ -21,8 +21,6 @@ _PG_init(void)
 	rl_deny_cache_init();
 	rl_shared_queue_init();
 	rl_worker_register();
-	rl_transport_init();
 	rl_policy_init();
-	rl_concurrency_init();
-	rl_refund_init();
+	rl_xact_end_init();
 }

@@ -32,6 +32,9 @@
  * src/guard.c        trigger functions that rate-limit writes
  * src/functions.c    the SQL functions of explicit limits, rl_reset and
  *                    rl_redis_ping
+ * src/xact_end.c     the one transaction callback: at the end of a
+ *                    (sub)transaction, refunds and slot releases are queued,
+ *                    then the queues are sent, in that order
  * src/rl_redis.c     the module entry point
  */
 #ifndef RL_REDIS_H
@@ -41,6 +44,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include "access/xact.h"
 #include "fmgr.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
@@ -247,7 +251,8 @@ typedef struct RlConnInfo
 	int			scripts_loaded; /* of the registry's, known loaded there */
 } RlConnInfo;
 
-extern void rl_transport_init(void);
+extern void rl_transport_xact_end(XactEvent event);
+extern void rl_transport_subxact_end(SubXactEvent event);
 extern bool rl_conn_info(int n, RlConnInfo *info);
 extern RlConn *rl_conn_get(void);
 extern RlConn *rl_conn_at(const char *host, int port, RlConnKind kind);
@@ -626,7 +631,8 @@ typedef enum RlChargeBy
 	RL_BY_GUARD					/* rl_guard or rl_guard_statement */
 } RlChargeBy;
 
-extern void rl_refund_init(void);
+extern void rl_refund_xact_end(XactEvent event);
+extern void rl_refund_subxact_end(SubXactEvent event);
 extern const char *rl_refund_scopes(RlChargeBy by);
 extern bool rl_refund_covers(RlChargeBy by);
 extern const char *rl_refund_call_scope(char *buf);
@@ -637,6 +643,10 @@ extern void rl_refund_call_end(const char *id, RlCharge *charges, int n,
 							   bool give_back);
 
 /* concurrency limits (concurrency.c) */
-extern void rl_concurrency_init(void);
+extern void rl_concurrency_xact_end(XactEvent event);
+extern void rl_concurrency_subxact_end(SubXactEvent event);
+
+/* the transaction-end dispatcher (xact_end.c) */
+extern void rl_xact_end_init(void);
 
 #endif							/* RL_REDIS_H */

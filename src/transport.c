@@ -2159,9 +2159,12 @@ rl_xact_end(bool abort)
 		rl_arm_idle_timeout();
 }
 
-/* At the end of a transaction. */
-static void
-rl_xact_callback(XactEvent event, void *arg)
+/*
+ * At the end of a transaction, after the other modules queued their work
+ * (src/xact_end.c): sends the queues.
+ */
+void
+rl_transport_xact_end(XactEvent event)
 {
 	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT)
 		rl_xact_end(true);
@@ -2171,9 +2174,8 @@ rl_xact_callback(XactEvent event, void *arg)
 }
 
 /* At the end of a subtransaction: the same, for a rolled-back one. */
-static void
-rl_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
-					SubTransactionId parentSubid, void *arg)
+void
+rl_transport_subxact_end(SubXactEvent event)
 {
 	if (event == SUBXACT_EVENT_ABORT_SUB)
 		rl_xact_end(true);
@@ -2236,18 +2238,6 @@ rl_transport_exit(int code, Datum arg)
 		PG_END_TRY();
 	}
 	RESUME_INTERRUPTS();
-}
-
-/*
- * Registers the transaction callbacks; called once from _PG_init, before
- * the other modules register theirs, so that they run after them (and send
- * what those queued).
- */
-void
-rl_transport_init(void)
-{
-	RegisterXactCallback(rl_xact_callback, NULL);
-	RegisterSubXactCallback(rl_subxact_callback, NULL);
 }
 
 /*
