@@ -822,6 +822,27 @@ def test_xact_end_after_failed_call_gives_the_slot_back(pg, redis_factory):
                "the release after CLIENT PAUSE ended")
 
 
+def test_xact_end_after_a_call_opened_the_breaker_gives_the_slot_back(pg, redis_factory):
+    """The same with the circuit breaker on (retry_interval 10 s): a call of
+    the transaction fails during CLIENT PAUSE and opens the breaker; the
+    COMMIT after the pause still tries and gives the slot back with no
+    other call (the breaker holds back only the transaction ends of an
+    outage that began before the transaction)."""
+    r = redis_factory()
+    use_redis(pg, r, on_error="allow", retry_interval=10000)
+    identity = new_ident("failed_breaker")
+    pg.execute("BEGIN")
+    assert allow(pg, identity, ACQUIRE_LONG) is True
+    r.cli("CLIENT", "PAUSE", "400", "ALL")
+    set_gucs(pg, command_timeout=100)
+    assert allow(pg, new_ident("failed_breaker_other")) is True  # on_error allow
+    assert r.cli("PING") == "PONG"  # (answered once the pause is over)
+    set_gucs(pg, command_timeout=2000)
+    pg.execute("COMMIT")
+    wait_for(lambda: int(r.cli("EXISTS", slot_key_long(identity))) == 0, 3.0,
+             "the release after the failed call that opened the breaker")
+
+
 def end_killed_and_paused(pg, r, identity, end, refund=False):
     """BEGIN; a slot of ACQUIRE_LONG for identity (with refund, a unit of
     ALLOW too); Redis kills the session's connection and stops (SIGSTOP);

@@ -498,8 +498,9 @@ def test_password_file_failure_logged_once_per_outage(redis_factory):
     """The server-log line that names a failing password file comes once
     per outage, not with every connection attempt: 1 000 calls of a session
     under on_error = allow without a circuit breaker (retry_interval = 0)
-    add one line; a session of its own, one more. A cluster of its own, for
-    a log of its own."""
+    add one line; a session of its own, one more, and 1 000 rl_redis_ping()
+    (each starts a new outage) none (at most a line a minute). A cluster of
+    its own, for a log of its own."""
     r = redis_factory(password=new_secret("pwlog"))
     server = PgServer(r, on_error="allow")
     path = os.path.join(server.base, "redis-password")
@@ -518,6 +519,10 @@ def test_password_file_failure_logged_once_per_outage(redis_factory):
                 for i in range(1000):
                     assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
                                         ("pwlog:%d" % i,)).fetchone()[0] is True
+                if _ == 1:
+                    for i in range(1000):
+                        with pytest.raises(psycopg.Error):
+                            conn.execute("SELECT rl_redis_ping()")
             finally:
                 conn.close()
         # (the reload logs the setting's new value once, too)

@@ -190,10 +190,19 @@ check_sentinel_password(char **newval, void **extra, GucSource source)
 static void
 rl_password_file_failed(const char *what, bool log, char *err, size_t errsize)
 {
+	static TimestampTz last_logged = 0;
+	TimestampTz now;
+
 	snprintf(err, errsize, "rl_redis.password_file: %s", what);
-	if (log)
-		ereport(LOG_SERVER_ONLY,
-				(errmsg("rl_redis.password_file \"%s\": %s", rl_password_file, what)));
+	if (!log)
+		return;
+	/* at most one line a minute: rl_redis_ping() starts a new outage */
+	now = GetCurrentTimestamp();
+	if (last_logged != 0 && !TimestampDifferenceExceeds(last_logged, now, 60000))
+		return;
+	last_logged = now;
+	ereport(LOG_SERVER_ONLY,
+			(errmsg("rl_redis.password_file \"%s\": %s", rl_password_file, what)));
 }
 
 /*

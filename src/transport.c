@@ -1972,8 +1972,10 @@ rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline,
  * connection or a call of the transaction failed; only when Redis cannot be
  * reached in that time does the work wait for the session's next call.
  * The connection's circuit breaker rules here as for the calls: while it
- * is open (a failure within rl_redis.retry_interval) nothing is tried and
- * the work waits for the next call, and a failure here, or a wait for
+ * is open (a failure within rl_redis.retry_interval) since before the
+ * transaction began, nothing is tried and the work waits for the next
+ * call (one a call of this transaction opened gets one more try here),
+ * and a failure here, or a wait for
  * replies in which none came, opens it. Work Redis did not run here
  * (READONLY ...: wait_for_call) waits for the next call too, on a new
  * connection. Interrupts are held here, so the budget is the only bound;
@@ -1986,8 +1988,17 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 	RlHold		hold;
 	uint64		replies_before = conn->replies_read;
 
-	if (conn->queue_count == 0 || conn->wait_for_call ||
-		rl_breaker_open(&conn->breaker, &failure))
+	if (conn->queue_count == 0 || conn->wait_for_call)
+		return;
+
+	/*
+	 * The breaker holds back the transaction ends of an outage that began
+	 * before this transaction; when a call of this transaction opened it,
+	 * the transaction end tries once more, so that what the transaction
+	 * took goes back at once if Redis answers again.
+	 */
+	if (rl_breaker_open(&conn->breaker, &failure) &&
+		conn->breaker.last_failure_at < GetCurrentTransactionStartTimestamp())
 		return;
 	memset(&failure, 0, sizeof(failure));
 	rl_hold_save(&hold);
