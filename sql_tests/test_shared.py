@@ -364,7 +364,16 @@ def test_cancelled_acquires_give_their_slots_back(shared_server, sessions):
                 conns[i].execute(acquire, (ident,))
             except psycopg.errors.QueryCanceled:
                 cancelled[i] += 1
-            conns[i].execute("ROLLBACK")
+            # the ROLLBACK runs under the 1 ms too: a loaded machine cancels
+            # it now and then before it starts (the transaction stays open)
+            for _ in range(50):
+                try:
+                    conns[i].execute("ROLLBACK")
+                    break
+                except psycopg.errors.QueryCanceled:
+                    pass
+            else:
+                raise AssertionError("50 ROLLBACKs were cancelled")
 
     assert run_threads(len(conns), body) == []
     assert sum(cancelled) > 0
