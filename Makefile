@@ -47,7 +47,7 @@ include $(PGXS)
 src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh src/algorithms.h
 	sh src/embed_lua.sh lua src/algorithms.h > $@.tmp && mv $@.tmp $@
 
-src/scripts.o: src/lua_scripts.h
+src/scripts.o src/scripts.bc: src/lua_scripts.h
 $(OBJS): src/rl_redis.h src/compat.h src/algorithms.h
 
 .PHONY: test test-matrix demo bench

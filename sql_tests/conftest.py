@@ -31,6 +31,7 @@ redis_clients, backend_tcp_ports, and the README's privilege table
 import os
 import pwd
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -105,15 +106,40 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = [item for _, group in reversed(modules) for item in group]
 
 
+def _cpu_seconds():
+    """The CPU time of this process and of its waited-for children."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Adds the CPU time the test process spent in this phase (the client's
+    side: Python, psycopg, redis-cli) to the phase's report."""
+    start = getattr(item, "_rl_cpu_mark", None)
+    now = _cpu_seconds()
+    item._rl_cpu_mark = now
+    outcome = yield
+    outcome.get_result().user_properties.append(("client_cpu", now - start if start is not None else 0.0))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Marks where the setup phase's CPU time starts."""
+    item._rl_cpu_mark = _cpu_seconds()
+
+
 def pytest_runtest_logreport(report):
-    """Appends each phase's duration to $RL_DURATIONS_FILE (in the process
-    that reports, not in xdist's workers), for run_tests.sh's list of the
-    slowest tests over both runs."""
+    """Appends each phase's duration (and the client's CPU time in it) to
+    $RL_DURATIONS_FILE (in the process that reports, not in xdist's
+    workers), for run_tests.sh's list of the slowest tests over both runs."""
     path = os.environ.get("RL_DURATIONS_FILE")
     if not path or _CONFIG is None or hasattr(_CONFIG, "workerinput"):
         return
+    cpu = dict(report.user_properties).get("client_cpu", 0.0)
     with open(path, "a") as f:
-        f.write("%.2f\t%s\t%s\n" % (report.duration, report.when, report.nodeid))
+        f.write("%.2f\t%s\t%s\t%.2f\n" % (report.duration, report.when, report.nodeid, cpu))
 
 
 # ---------------------------------------------------------------- PostgreSQL

@@ -29,7 +29,7 @@ rl_build_install() {
 	local sudo=
 	[ "$(id -u)" = 0 ] || sudo=sudo
 	bash sql_tests/install_deps.sh || return 1
-	make -s >/dev/null || return 1
+	make -s -j"$(nproc)" >/dev/null || return 1
 	$sudo make -s install >/dev/null || return 1
 }
 
