@@ -108,22 +108,27 @@ def test_password_wanted(pg, redis_factory):
     assert "wrong-" + identity not in repr(got) and "report-secret" not in repr(got)
 
 
-def test_error_reply(pg, redis_factory):
-    """WRONGTYPE (a list where the fixed window's key is): 08000, Redis's
-    text as the detail, no hint; the same in on_error = allow's warning."""
-    r = redis_factory()
-    use_redis(pg, r, on_error="error")
+def assert_wrongtype_reported(conn, redis):
+    """WRONGTYPE (a list where the fixed window's key is) on conn (on_error =
+    error), whose Redis is redis: 08000, Redis's text as the detail, no
+    hint; the same in on_error = allow's warning."""
     identity = new_ident("wrongtype")
-    r.cli("RPUSH", rl_key("fixed", identity, lim=5, window_ms=60000), "x")
-    message = "Redis at 127.0.0.1:%d returned an error" % r.port
-    got = error_report(pg, FIXED, (identity,))
+    redis.cli("RPUSH", rl_key("fixed", identity, lim=5, window_ms=60000), "x")
+    message = "Redis at 127.0.0.1:%d returned an error" % redis.port
+    got = error_report(conn, FIXED, (identity,))
     assert got[:2] == ("08000", message) and got[2].startswith(WRONGTYPE), got
     assert got[3:] == (None, fixed_context(identity)), got
-    detail = got[2]
 
-    set_gucs(pg, on_error="allow")
-    assert warnings_of(pg, FIXED_ALLOW, (identity,)) == [
-        ("08000", message, detail + "\n" + ALLOWED, None, fixed_context(identity))]
+    set_gucs(conn, on_error="allow")
+    assert warnings_of(conn, FIXED_ALLOW, (identity,)) == [
+        ("08000", message, got[2] + "\n" + ALLOWED, None, fixed_context(identity))]
+
+
+def test_error_reply(pg, redis_factory):
+    """An error reply of Redis (WRONGTYPE), on the session's own connection."""
+    r = redis_factory()
+    use_redis(pg, r, on_error="error")
+    assert_wrongtype_reported(pg, r)
 
 
 def test_command_timeout(pg):
@@ -162,17 +167,9 @@ def test_shared_transport(shared_server):
     reply, on_error = allow's warning and a timeout of the wait for the
     worker report as through the session's own connection."""
     redis = shared_server.redis
-    conn = shared_server.connect(transport="shared")
+    conn = shared_server.connect(transport="shared", on_error="error")
     try:
-        identity = new_ident("shared")
-        redis.cli("RPUSH", rl_key("fixed", identity, lim=5, window_ms=60000), "x")
-        message = "Redis at 127.0.0.1:%d returned an error" % redis.port
-        got = error_report(conn, FIXED, (identity,))
-        assert got[:2] == ("08000", message) and got[2].startswith(WRONGTYPE), got
-        assert got[3:] == (None, fixed_context(identity)), got
-        set_gucs(conn, on_error="allow")
-        assert warnings_of(conn, FIXED_ALLOW, (identity,)) == [
-            ("08000", message, got[2] + "\n" + ALLOWED, None, fixed_context(identity))]
+        assert_wrongtype_reported(conn, redis)
         assert not own_connection_open(conn)
 
         set_gucs(conn, on_error="error", command_timeout=300, connect_timeout=300)
