@@ -24,6 +24,7 @@ Fixtures:
 Module-level helpers (importable from the test modules: `from conftest
 import ...`): pg_connect, new_ident, set_gucs, use_redis, rl_key, wait_for,
 own_connection_open, RedisServer, PgServer (with a look at its processes),
+BlackHole (a port that accepts and never answers),
 redis_clients, backend_tcp_ports, and the README's privilege table
 (readme_privileges, readme_section).
 """
@@ -549,6 +550,47 @@ class RedisServer:
 PGBIN = os.environ.get("RL_PGBIN") or subprocess.run(
     ["pg_config", "--bindir"], capture_output=True, text=True, check=True
 ).stdout.strip()
+
+
+class BlackHole:
+    """A TCP port that accepts connections and never answers: a Redis that
+    hangs. A decision pointed at it waits rl_redis.command_timeout; each one
+    opens a connection (the extension drops it after the timeout), so
+    wait_for(n) tells that n decisions have reached "Redis"."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.cond:
+                self.accepted.append(conn)
+                self.cond.notify_all()
+
+    def wait_for(self, n, timeout=30):
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.accepted) >= n, timeout), len(self.accepted)
+
+    def close(self):
+        self.sock.close()
+        with self.cond:
+            for conn in self.accepted:
+                conn.close()
+
+    # closing the port and every connection ends the decisions waiting on
+    # it at once (a lost connection: on_error says the answer); wait_for
+    # first the decisions that must be among them
+    release = close
 
 
 class TcpProxy:

@@ -138,6 +138,8 @@ class Notice:
         self.severity = diag.severity_nonlocalized
         self.sqlstate = diag.sqlstate
         self.message = diag.message_primary
+        self.detail = diag.message_detail or ""
+        self.context = diag.context
 
     def __repr__(self):
         return "Notice(%s %s %r)" % (self.severity, self.sqlstate, self.message)
@@ -667,7 +669,10 @@ def test_error_reply_falls_back_for_its_key_only(clock, shared_redis):
     decided = rows[:700] + rows[701:]
     assert {(r[1], r[2], r[3], r[5]) for r in decided} == {(True, 5, 3, 0)}
     assert all(0 < r[4] <= 60000 for r in decided)  # reset_ms of a real window
-    assert [(w.sqlstate, "WRONGTYPE" in w.message) for w in warnings()] == [("08000", True)]
+    # the warning names the key Redis could not decide, and says why
+    assert [(w.sqlstate, w.message, w.detail.startswith("WRONGTYPE "), w.context) for w in warnings()] == [
+        ("08000", "Redis at 127.0.0.1:%d returned an error" % shared_redis.port, True,
+         'rl_redis decision "fixed" on key "%s"' % rl_key("fixed", idents[700], lim=5, window_ms=60000))]
     # Redis counted every identity but the one it could not decide
     for i in (0, 699, 701, 999, 1199):
         assert shared_redis.command("HGET", rl_key("fixed", idents[i], lim=5, window_ms=60000), "n") == "2"

@@ -275,7 +275,9 @@ def test_oom_on_error_error(pg, redis_factory, warm):
         note("3 OOM on_error=error (%s)" % ("warm" if warm else "cold"), query, elapsed)
         assert err.sqlstate == "08000", (query, repr(err))
         assert isinstance(err, psycopg.errors.ConnectionException), repr(err)
-        assert "OOM" in err.diag.message_primary, err.diag.message_primary
+        assert err.diag.message_primary == "Redis at 127.0.0.1:%d returned an error" % r.port, \
+            err.diag.message_primary
+        assert err.diag.message_detail.startswith("OOM "), err.diag.message_detail
         assert elapsed < 1.0, elapsed
     assert r.cli("KEYS", "rl:*{%s}*" % identity) == ""  # nothing was written
 
@@ -301,7 +303,8 @@ def test_oom_on_error_policy(pg, redis_factory, on_error, expected):
     assert elapsed < 1.0, elapsed
     w = warnings_of(notices)
     assert len(w) == 1, notices
-    assert "OOM" in w[0].message_primary, w[0].message_primary
+    assert w[0].message_primary == "Redis at 127.0.0.1:%d returned an error" % r.port, w[0].message_primary
+    assert w[0].message_detail.startswith("OOM "), w[0].message_detail
 
     row = pg.execute(
         "SELECT (r).allowed, (r).lim, (r).remaining, (r).retry_after_ms "
@@ -327,7 +330,7 @@ def test_oom_sliding_window(pg, redis_factory):
                   "SELECT rl_concurrency_acquire_allow(%s, 5, 60000)",
                   "SELECT rl_sliding_counter_allow(%s, 5, 60000)"):
         err, _ = timed_error(pg, query, (identity,))
-        assert err.sqlstate == "08000" and "OOM" in err.diag.message_primary, repr(err)
+        assert err.sqlstate == "08000" and err.diag.message_detail.startswith("OOM "), repr(err)
     assert r.cli("KEYS", "rl:*{%s}*" % identity) == ""
 
 
@@ -355,13 +358,15 @@ def test_read_only_replica(pg, redis_factory):
         err, elapsed = timed_error(pg, query, (identity,))
         note("4 replica", query, elapsed)
         assert err.sqlstate == "08000", repr(err)
-        assert "READONLY" in err.diag.message_primary, err.diag.message_primary
+        assert err.diag.message_primary == "Redis at 127.0.0.1:%d returned an error" % b.port, \
+            err.diag.message_primary
+        assert err.diag.message_detail.startswith("READONLY "), err.diag.message_detail
         assert elapsed < 1.0, elapsed
 
     set_gucs(pg, on_error="allow")
     notices = collect_notices(pg)
     assert allow(pg, identity) is True
-    assert "READONLY" in warnings_of(notices)[0].message_primary
+    assert warnings_of(notices)[0].message_detail.startswith("READONLY ")
 
     # back to the primary: it decides, and the write reaches the replica
     use_redis(pg, a, on_error="error")
@@ -398,13 +403,15 @@ def test_wrong_password_never_shown(pg, redis_factory, on_error):
         err, elapsed = timed_error(pg, ALLOW, (identity,))
         assert err.sqlstate == "08001", repr(err)
         texts = error_texts(err)
-        assert "WRONGPASS" in err.diag.message_primary, texts
+        assert err.diag.message_primary == "could not authenticate to Redis at 127.0.0.1:%d" % r.port, texts
+        assert err.diag.message_detail.startswith("WRONGPASS "), texts
     else:
         value, elapsed = timed(allow, pg, identity)
         assert value is True
         assert len(notices) == 1 and notices[0][0] == "WARNING", notices
         texts = [t or "" for t in notices[0][1:]]
-        assert "WRONGPASS" in texts[0], texts
+        assert texts[0] == "could not authenticate to Redis at 127.0.0.1:%d" % r.port, texts
+        assert texts[1].startswith("WRONGPASS "), texts
     note("5 wrong password on_error=%s" % on_error, "failed call", elapsed)
     assert elapsed < 1.0, elapsed
     for text in texts:
@@ -430,7 +437,9 @@ def test_acl_user_without_evalsha(pg, redis_factory):
         err, elapsed = timed_error(pg, query, (identity,))
         note("5 ACL without EVALSHA", query, elapsed)
         assert err.sqlstate == "08000", repr(err)
-        assert "NOPERM" in err.diag.message_primary, err.diag.message_primary
+        assert err.diag.message_primary == "Redis at 127.0.0.1:%d returned an error" % r.port, \
+            err.diag.message_primary
+        assert err.diag.message_detail.startswith("NOPERM "), err.diag.message_detail
         assert elapsed < 1.0, elapsed
         for text in error_texts(err):
             assert ACL_PASSWORD not in text and REDIS_PASSWORD not in text, text

@@ -412,7 +412,8 @@ def test_redis_error_reply(pg, redis_factory):
     assert allow(pg, identity, "SELECT rl_fixed_allow(%s, 5, 60000)") is True
     w = warnings_of(notices)
     assert len(w) == 1, notices
-    assert "WRONGTYPE" in w[0].message_primary, w[0].message_primary
+    assert w[0].message_primary == "Redis at 127.0.0.1:%d returned an error" % r.port, w[0].message_primary
+    assert w[0].message_detail.startswith("WRONGTYPE "), w[0].message_detail
     # the list was not touched
     assert r.cli("LRANGE", fixed_key, "0", "-1") == "x"
 

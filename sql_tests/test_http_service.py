@@ -27,7 +27,7 @@ import uuid
 
 import pytest
 
-from conftest import free_port, new_ident, pg_connect, rl_key, same_fixed_window
+from conftest import BlackHole, free_port, new_ident, pg_connect, rl_key, same_fixed_window
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(ROOT, "examples", "http_service", "server.py")
@@ -299,47 +299,6 @@ def http_request(path=FIXED, body=None, method="POST", headers=None, version=b"H
     head = b"%s %s %s\r\n" % (method.encode(), path.encode(), version)
     head += b"".join(b"%s: %s\r\n" % (n, v) for n, v in headers)
     return head + b"\r\n" + (body or b"")
-
-
-class BlackHole:
-    """A TCP port that accepts connections and never answers: a Redis that
-    hangs. A decision pointed at it waits rl_redis.command_timeout; each one
-    opens a connection (the extension drops it after the timeout), so
-    wait_for(n) tells that n decisions have reached "Redis"."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.accepted = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with self.cond:
-                self.accepted.append(conn)
-                self.cond.notify_all()
-
-    def wait_for(self, n, timeout=30):
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.accepted) >= n, timeout), len(self.accepted)
-
-    def close(self):
-        self.sock.close()
-        with self.cond:
-            for conn in self.accepted:
-                conn.close()
-
-    # closing the port and every connection ends the decisions waiting on
-    # it at once (a lost connection: on_error says the answer); wait_for
-    # first the decisions that must be among them
-    release = close
 
 
 @pytest.fixture

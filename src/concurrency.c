@@ -213,6 +213,7 @@ rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure = {0};
+	RlCallContext ctx;
 	RlSlot	   *slot;
 	MemoryContext old;
 	TimestampTz start;
@@ -258,6 +259,7 @@ rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 		rl_free_slot(asking);
 	asking = slot;
 	start = rl_stats ? GetCurrentTimestamp() : 0;
+	rl_context_push(&ctx, "concurrency acquire", NULL, key->data, key->len, 0);
 	reply = rl_call(key->data, key->len, &rl_script_concurrency, 8, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
@@ -267,9 +269,11 @@ rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 		rl_release_asking();
 		rl_stats_failed(key->data, key->len, &failure, true);
 		rl_apply_on_error(&failure, limit->lim, 1, d);
+		rl_context_pop(&ctx);
 		rl_stats_decided(key->data, key->len, d, 1, 0);
 		return;
 	}
+	rl_context_pop(&ctx);
 	asking = NULL;
 	rl_stats_decided(key->data, key->len, d, 1,
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
@@ -344,6 +348,7 @@ rl_release_slot(const char *policy, text *identity)
 	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure = {0};
+	RlCallContext ctx;
 	bool		released;
 
 	initStringInfo(&owner);
@@ -366,6 +371,8 @@ rl_release_slot(const char *policy, text *identity)
 	argvlen[1] = slot->keylen;
 	argv[2] = slot->token;
 	argvlen[2] = strlen(slot->token);
+	rl_context_push(&ctx, "concurrency release", NULL, slot->key,
+					slot->keylen, 0);
 	reply = rl_call(slot->key, slot->keylen, NULL, 3, argv, argvlen, &conn,
 					&failure);
 	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
@@ -378,16 +385,16 @@ rl_release_slot(const char *policy, text *identity)
 		/* sent again with the next command, or freed by its lease */
 		rl_queue_release(slot);
 		held_slots = list_delete_ptr(held_slots, slot);
+		ctx.key = pnstrdup(slot->key, slot->keylen);	/* for the report */
 		rl_free_slot(slot);
 		if (rl_on_error == RL_ON_ERROR_ERROR)
 			rl_raise(&failure);
-		ereport(WARNING,
-				(errcode(failure.sqlerrcode),
-				 errmsg_internal("%s", failure.message),
-				 errdetail("The slot is given back with the next call that reaches Redis, or when its lease ends."),
-				 rl_failure_hint(&failure)));
+		rl_report(WARNING, &failure,
+				  "The slot is given back with the next call that reaches Redis, or when its lease ends.");
+		rl_context_pop(&ctx);
 		return false;
 	}
+	rl_context_pop(&ctx);
 	released = reply->type == REDIS_REPLY_INTEGER && reply->integer == 1;
 	freeReplyObject(reply);
 	held_slots = list_delete_ptr(held_slots, slot);

@@ -131,6 +131,7 @@ rl_note_denials(const char *policy, text **identities, int n)
 		int			argc = RL_SCRIPT_ARGV_RESERVED + 4 + 2 * k;
 		RlConn	   *conn;
 		RlFailure	failure = {0};
+		char		text[sizeof(failure.message) + sizeof(failure.detail)];
 		redisReply *reply;
 
 		argv[2] = "1";
@@ -161,7 +162,7 @@ rl_note_denials(const char *policy, text **identities, int n)
 				ereport(WARNING,
 						(errcode(failure.sqlerrcode),
 						 errmsg("could not count a denial of policy \"%s\" for rl_top_denied", policy),
-						 errdetail_internal("%s", failure.message)));
+						 errdetail_internal("%s", rl_failure_text(&failure, text, sizeof(text)))));
 			note_failed = true;
 			break;
 		}

@@ -16,6 +16,7 @@
 #include "access/htup_details.h"
 #include "catalog/pg_type.h"
 #include "funcapi.h"
+#include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
@@ -32,6 +33,9 @@ static StringInfoData keybuf;
 
 /* what a fail-closed decision tells the caller to wait */
 #define RL_DENY_RETRY_MS 1000
+
+/* the most bytes of a key the CONTEXT of a report shows */
+#define RL_CONTEXT_KEY_BYTES 100
 
 /* Raises 22004 when argument argno is NULL. */
 void
@@ -405,19 +409,99 @@ rl_failure_hint(const RlFailure *failure)
 			return errhint("Add rl_redis to shared_preload_libraries.");
 		case RL_HINT_PRELOAD_OR_FILE:
 			return errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file (without preloading, every role can read its path, not the password).");
+		case RL_HINT_SERVER:
+			return errhint("Check rl_redis.host and rl_redis.port (rl_redis.nodes in cluster and sentinel mode); while Redis cannot be reached, rl_redis.on_error decides.");
+		case RL_HINT_PASSWORD:
+			return errhint("Set rl_redis.password or rl_redis.password_file to the password Redis expects.");
+		case RL_HINT_SENTINEL_PASSWORD:
+			return errhint("Set rl_redis.sentinel_password to the password the sentinels expect.");
+		case RL_HINT_CONNECT_TIMEOUT:
+			return errhint("Check that Redis is reachable, or raise rl_redis.connect_timeout.");
+		case RL_HINT_COMMAND_TIMEOUT:
+			return errhint("Check that Redis is not overloaded or stopped, or raise rl_redis.command_timeout.");
 		default:
 			return 0;
 	}
+}
+
+/*
+ * Reports failure at elevel (ERROR raises): its SQLSTATE, message, hint,
+ * and as detail what Redis or the system said, that the breaker held the
+ * call back, and outcome (a sentence, or NULL). The CONTEXT is the call's
+ * (rl_context_push).
+ */
+void
+rl_report(int elevel, const RlFailure *failure, const char *outcome)
+{
+	StringInfoData detail;
+
+	initStringInfo(&detail);
+	appendStringInfoString(&detail, failure->detail);
+	if (failure->held_back)
+		appendStringInfo(&detail, "%sRedis is not retried for rl_redis.retry_interval after a failure.",
+						 detail.len > 0 ? "\n" : "");
+	if (outcome != NULL)
+		appendStringInfo(&detail, "%s%s", detail.len > 0 ? "\n" : "", outcome);
+	ereport(elevel,
+			(errcode(failure->sqlerrcode),
+			 errmsg_internal("%s", failure->message),
+			 detail.len > 0 ? errdetail_internal("%s", detail.data) : 0,
+			 rl_failure_hint(failure)));
+	pfree(detail.data);
 }
 
 /* Raises a failure as an error. */
 void
 rl_raise(const RlFailure *failure)
 {
-	ereport(ERROR,
-			(errcode(failure->sqlerrcode),
-			 errmsg_internal("%s", failure->message),
-			 rl_failure_hint(failure)));
+	rl_report(ERROR, failure, NULL);
+}
+
+/* Adds the CONTEXT of a Redis call (arg: its RlCallContext) to a report. */
+static void
+rl_context_callback(void *arg)
+{
+	RlCallContext *ctx = (RlCallContext *) arg;
+	int			shown = pg_mbcliplen(ctx->key, (int) ctx->keylen,
+									 RL_CONTEXT_KEY_BYTES);
+	const char *more = (size_t) shown < ctx->keylen ? "..." : "";
+
+	if (ctx->others > 0)
+		errcontext("rl_redis %s on %d keys, the first \"%.*s%s\"",
+				   ctx->what, ctx->others + 1, shown, ctx->key, more);
+	else if (ctx->name != NULL)
+		errcontext("rl_redis %s \"%s\" on key \"%.*s%s\"",
+				   ctx->what, ctx->name, shown, ctx->key, more);
+	else
+		errcontext("rl_redis %s on key \"%.*s%s\"",
+				   ctx->what, shown, ctx->key, more);
+}
+
+/*
+ * Makes ctx the CONTEXT of the errors and warnings reported until
+ * rl_context_pop: a call (what: "decision", "refund" ...) of the algorithm
+ * name (or NULL) on key and others more keys.
+ */
+void
+rl_context_push(RlCallContext *ctx, const char *what, const char *name,
+				const char *key, size_t keylen, int others)
+{
+	ctx->what = what;
+	ctx->name = name;
+	ctx->key = key;
+	ctx->keylen = keylen;
+	ctx->others = others;
+	ctx->callback.callback = rl_context_callback;
+	ctx->callback.arg = ctx;
+	ctx->callback.previous = error_context_stack;
+	error_context_stack = &ctx->callback;
+}
+
+/* Ends what rl_context_push began. */
+void
+rl_context_pop(RlCallContext *ctx)
+{
+	error_context_stack = ctx->callback.previous;
 }
 
 /*
@@ -448,25 +532,24 @@ rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
 	}
 	/* one warning per outage, not one per call */
 	if (failure->first_in_outage)
-		ereport(WARNING,
-				(errcode(failure->sqlerrcode),
-				 errmsg_internal("%s", failure->message),
-				 errdetail("Requests are %s without a decision from Redis because rl_redis.on_error is \"%s\".",
-						   d->allowed ? "allowed" : "denied",
-						   d->allowed ? "allow" : "deny"),
-				 rl_failure_hint(failure)));
+	{
+		char	   *outcome = psprintf("Requests are %s without a decision from Redis because rl_redis.on_error is \"%s\".",
+									   d->allowed ? "allowed" : "denied",
+									   d->allowed ? "allow" : "deny");
+
+		rl_report(WARNING, failure, outcome);
+		pfree(outcome);
+	}
 }
 
 /* Fills in the failure of a reply that is not what the scripts return. */
 static void
 rl_unexpected_reply(RlConn *conn, RlFailure *failure)
 {
-	failure->first_in_outage = true;
-	failure->breaker_opened = false;
-	failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
-	snprintf(failure->message, sizeof(failure->message),
-			 "unexpected reply from the rate-limit script at Redis %s",
-			 rl_conn_name(conn));
+	rl_fail(failure, RL_FAILURE_PROTOCOL, ERRCODE_PROTOCOL_VIOLATION,
+			RL_HINT_NONE, NULL,
+			"unexpected reply from the rate-limit script at Redis %s",
+			rl_conn_name(conn));
 }
 
 /*
@@ -794,9 +877,9 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
  * (the callers raise on a denial) when refund_on_abort covers them, else at
  * once. Meanwhile another caller may see them taken.
  */
-bool
-rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
-			   int *index, RlFailure *failure)
+static bool
+rl_decide_charges(RlCharge *charges, int n, bool by_guard, RlDecision *d,
+				  int *index, RlFailure *failure)
 {
 	RlSplit		sp;
 	const char *scopes;
@@ -901,6 +984,43 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 }
 
 /*
+ * Counts, for the statistics, a several-keys call that rl_redis.on_error
+ * decided (d) after rl_decide_charges failed: on the charges that failed.
+ */
+static void
+rl_count_fallback(RlCharge *charges, int n, const RlDecision *d)
+{
+	int			j;
+
+	for (j = 0; j < n; j++)
+		if (charges[j].failed)
+			rl_stats_decided(charges[j].key->data, charges[j].key->len, d,
+							 charges[j].cost, 0);
+}
+
+/*
+ * Decides n charges as rl_decide_charges does. When Redis gives no
+ * decision, rl_redis.on_error decides d (for lim and cost), and *index is 0.
+ */
+void
+rl_decide_many(RlCharge *charges, int n, bool by_guard, int32 lim,
+			   int32 cost, RlDecision *d, int *index)
+{
+	RlFailure	failure = {0};
+	RlCallContext ctx;
+
+	rl_context_push(&ctx, "decision", charges[0].limit->algorithm->name,
+					charges[0].key->data, charges[0].key->len, n - 1);
+	if (!rl_decide_charges(charges, n, by_guard, d, index, &failure))
+	{
+		rl_apply_on_error(&failure, lim, cost, d);
+		rl_count_fallback(charges, n, d);
+		*index = 0;
+	}
+	rl_context_pop(&ctx);
+}
+
+/*
  * Runs limit's script for identity and fills d; cost < 0 gives units back.
  * The key is the policy's (policy not NULL) or the explicit limit's. An
  * allowed charge is remembered for a refund on abort (by_guard: made by a
@@ -926,6 +1046,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure = {0};
+	RlCallContext ctx;
 
 	/* a denial remembered here answers without Redis (deny_cache) */
 	if (rl_deny_cache_lookup(key->data, key->len, limit, rl_server_generation(),
@@ -959,6 +1080,8 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 	start = rl_stats ? GetCurrentTimestamp() : 0;
 	sent_ms = rl_deny_cache ? rl_deny_cache_now() : 0;
 	mark = rl_deny_cache_mark();
+	rl_context_push(&ctx, cost < 0 ? "refund" : "decision",
+					limit->algorithm->name, key->data, key->len, 0);
 	reply = rl_call(key->data, key->len, &limit->algorithm->script, 11, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
@@ -967,9 +1090,11 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 		rl_stats_failed(key->data, key->len, &failure, true);
 		rl_apply_on_error(&failure, limit->burst > 0 ? limit->burst : limit->lim,
 						  cost, d);
+		rl_context_pop(&ctx);
 		rl_stats_decided(key->data, key->len, d, cost, 0);
 		return;
 	}
+	rl_context_pop(&ctx);
 	rl_stats_decided(key->data, key->len, d, cost,
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
 	if (cost < 0)
@@ -1072,15 +1197,9 @@ rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
 		if (e[0]->type == REDIS_REPLY_STRING)
 		{
 			if (failure->sqlerrcode == 0)
-			{
-				failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
-				failure->first_in_outage = true;
-				failure->breaker_opened = false;
-				snprintf(failure->message, sizeof(failure->message),
-						 "Redis at %s could not decide on key \"%.*s\": %.*s",
-						 rl_conn_name(conn), Min(keylen[j], 200),
-						 keydata[j], Min((int) e[0]->len, 200), e[0]->str);
-			}
+				rl_fail(failure, RL_FAILURE_REPLY, ERRCODE_CONNECTION_EXCEPTION,
+						RL_HINT_NONE, e[0]->str,
+						"Redis at %s returned an error", rl_conn_name(conn));
 			bad[keys[j].index] = true;
 			continue;
 		}
@@ -1155,7 +1274,9 @@ rl_batch_results(RlBatch *b, int from, int n, int64 rtt, bool interrupted)
 						   b->size[c], b->d, b->bad, &failure);
 		call->reply = NULL;
 		if (!ok && failure.sqlerrcode == 0)
-			failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+			rl_fail(&failure, RL_FAILURE_CONNECTION, ERRCODE_CONNECTION_FAILURE,
+					RL_HINT_NONE, NULL,
+					"no reply from Redis to a call of a batch");
 		b->failures[c] = failure;
 		for (j = b->first[c]; j < b->first[c] + b->size[c]; j++)
 		{
@@ -1411,14 +1532,18 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		{
 			const RlBatchKey *k = &b.keys[j];
 			StringInfo	key;
+			RlCallContext ctx;
 
 			if (!b.bad[k->index])
 				continue;
 			key = rl_build_key(identities[k->index], policy, limit);
 			rl_stats_failed(key->data, key->len, &b.failures[c], first_key);
+			rl_context_push(&ctx, cost < 0 ? "refund" : "decision",
+							limit->algorithm->name, key->data, key->len, 0);
 			rl_apply_on_error(&b.failures[c],
 							  limit->burst > 0 ? limit->burst : limit->lim,
 							  cost, &d[k->index]);
+			rl_context_pop(&ctx);
 			rl_stats_decided(key->data, key->len, &d[k->index], cost, 0);
 			/* one warning per failure */
 			b.failures[c].first_in_outage = false;
@@ -1483,21 +1608,6 @@ rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 		values[5] = Int64GetDatum(d[i].retry_after_ms);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, rnulls);
 	}
-}
-
-/*
- * Counts, for the statistics, a several-keys call that rl_redis.on_error
- * decided (d) after rl_decide_many failed: on the charges that failed.
- */
-void
-rl_count_fallback(RlCharge *charges, int n, const RlDecision *d)
-{
-	int			j;
-
-	for (j = 0; j < n; j++)
-		if (charges[j].failed)
-			rl_stats_decided(charges[j].key->data, charges[j].key->len, d,
-							 charges[j].cost, 0);
 }
 
 /* Returns d as an rl_result datum. */

@@ -687,7 +687,6 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	int			readptr;
 	int			worst;
 	RlDecision	d;
-	RlFailure	failure = {0};
 
 	if (!TRIGGER_FIRED_FOR_STATEMENT(trigdata->tg_event) ||
 		!TRIGGER_FIRED_AFTER(trigdata->tg_event) || rows == NULL)
@@ -776,12 +775,7 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	if (n == 0)
 		return PointerGetDatum(NULL);
 
-	if (!rl_decide_many(charges, n, true, &d, &worst, &failure))
-	{
-		rl_apply_on_error(&failure, guard->limit.lim, 0, &d);
-		rl_count_fallback(charges, n, &d);
-		worst = 0;
-	}
+	rl_decide_many(charges, n, true, guard->limit.lim, 0, &d, &worst);
 	if (!d.allowed)
 		rl_guard_denied(guard, rel, list[worst]->identity, &d);
 	return PointerGetDatum(NULL);

@@ -341,7 +341,6 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 	int			npolicies = 0;
 	RlCharge   *charges;
 	int			worst;
-	RlFailure	failure = {0};
 	int			i,
 				j;
 
@@ -390,11 +389,8 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 												  &policies[j].limit));
 		charges[j].cost = cost;
 	}
-	if (!rl_decide_many(charges, npolicies, false, d, &worst, &failure))
-	{
-		rl_apply_on_error(&failure, policies[0].limit.lim, cost, d);
-		rl_count_fallback(charges, npolicies, d);
-	}
+	rl_decide_many(charges, npolicies, false, policies[0].limit.lim, cost, d,
+				   &worst);
 }
 
 PG_FUNCTION_INFO_V1(rl_check_all);

@@ -10,7 +10,8 @@
  * src/stats.c        counters of the decisions per database and policy
  *                    (shared memory when preloaded) and their SQL functions
  * src/denycache.c    the local cache of denials (rl_redis.deny_cache)
- * src/breaker.c      the circuit breaker of one connection
+ * src/breaker.c      what a failed call reports (rl_fail), and the circuit
+ *                    breaker of one connection
  * src/tls.c          TLS of one connection (OpenSSL, never waits itself)
  * src/transport.c    the per-backend cache of connections (RlConn, by
  *                    server address), their socket I/O and set-up (resolve,
@@ -167,7 +168,12 @@ typedef enum RlHint
 {
 	RL_HINT_NONE = 0,
 	RL_HINT_PRELOAD,			/* a password setting needs preloading */
-	RL_HINT_PRELOAD_OR_FILE		/* the same, or rl_redis.password_file */
+	RL_HINT_PRELOAD_OR_FILE,	/* the same, or rl_redis.password_file */
+	RL_HINT_SERVER,				/* no server there: rl_redis.host, port */
+	RL_HINT_PASSWORD,			/* Redis wants rl_redis.password */
+	RL_HINT_SENTINEL_PASSWORD,	/* a sentinel wants its password */
+	RL_HINT_CONNECT_TIMEOUT,	/* rl_redis.connect_timeout passed */
+	RL_HINT_COMMAND_TIMEOUT		/* rl_redis.command_timeout passed */
 } RlHint;
 
 extern void rl_define_gucs(void);
@@ -177,19 +183,46 @@ extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
 extern bool rl_parse_redirect_node(const char *s, const char *default_host,
 								   char *host, int *port);
 
+/* What went wrong in a failed Redis call, for operators and statistics. */
+typedef enum RlFailureKind
+{
+	RL_FAILURE_CONNECTION,		/* could not connect, or the connection broke */
+	RL_FAILURE_TIMEOUT,			/* no connection or no reply in time */
+	RL_FAILURE_AUTH,			/* Redis refused or wants a password */
+	RL_FAILURE_REPLY,			/* Redis answered with an error */
+	RL_FAILURE_PROTOCOL,		/* a reply that is not what was asked for */
+	RL_FAILURE_TOPOLOGY,		/* no cluster node or master for the key */
+	RL_FAILURE_CONFIG,			/* a setting or file that cannot be used */
+	RL_FAILURE_WORKER			/* the rl_redis worker (transport = shared) */
+} RlFailureKind;
+
 /*
  * Why a Redis call failed, for the caller to raise as an error or to log as
- * a warning under rl_redis.on_error. The connection has already been
- * discarded when one of these is filled in.
+ * a warning under rl_redis.on_error (rl_report): filled in by rl_fail only.
+ * message is the primary message (ours), detail what Redis, the system or
+ * OpenSSL said (or ""). Neither holds a secret or a file's path. The
+ * connection has already been discarded when one of these is filled in.
  */
 typedef struct RlFailure
 {
-	int			sqlerrcode;
+	RlFailureKind kind;
+	int			sqlerrcode;		/* 0: no failure (a reason in message) */
 	bool		first_in_outage;	/* the failure that began an outage */
 	bool		breaker_opened; /* it opened the circuit breaker */
+	bool		held_back;		/* the breaker's: Redis was not asked */
 	RlHint		hint;
-	char		message[512];
+	char		message[256];
+	char		detail[512];
 } RlFailure;
+
+extern void rl_fail(RlFailure *failure, RlFailureKind kind, int sqlerrcode,
+					RlHint hint, const char *detail, const char *fmt,...)
+			pg_attribute_printf(6, 7);
+extern void rl_vfail(RlFailure *failure, RlFailureKind kind, int sqlerrcode,
+					 RlHint hint, const char *detail, const char *fmt,
+					 va_list ap) pg_attribute_printf(6, 0);
+extern const char *rl_failure_text(const RlFailure *failure, char *buf,
+								   size_t size);
 
 /* the circuit breaker of one connection (breaker.c) */
 typedef struct RlBreaker
@@ -598,13 +631,33 @@ typedef struct RlCharge
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
-extern bool rl_decide_many(RlCharge *charges, int n, bool by_guard,
-						   RlDecision *d, int *index, RlFailure *failure);
+extern void rl_decide_many(RlCharge *charges, int n, bool by_guard,
+						   int32 lim, int32 cost, RlDecision *d, int *index);
 extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
-extern void rl_count_fallback(RlCharge *charges, int n, const RlDecision *d);
 extern int	rl_failure_hint(const RlFailure *failure);
+extern void rl_report(int elevel, const RlFailure *failure,
+					  const char *outcome);
 extern void rl_raise(const RlFailure *failure);
+
+/*
+ * Which Redis call errors and warnings are about, for their CONTEXT: set
+ * up by rl_context_push around the call and its report.
+ */
+typedef struct RlCallContext
+{
+	const char *what;			/* "decision", "refund", ... */
+	const char *name;			/* the algorithm, or NULL */
+	const char *key;			/* the call's (first) key */
+	size_t		keylen;
+	int			others;			/* how many more keys the call has */
+	ErrorContextCallback callback;
+} RlCallContext;
+
+extern void rl_context_push(RlCallContext *ctx, const char *what,
+							const char *name, const char *key, size_t keylen,
+							int others);
+extern void rl_context_pop(RlCallContext *ctx);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);

@@ -435,11 +435,9 @@ rl_cluster_refresh(RlFailure *failure)
 	if (slot_node == NULL)
 		slot_node = MemoryContextAllocZero(TopMemoryContext,
 										   sizeof(uint16) * RL_SLOTS);
-	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
-	failure->first_in_outage = true;
-	failure->breaker_opened = false;
-	snprintf(failure->message, sizeof(failure->message),
-			 "no Redis Cluster node to ask for the slot map");
+	rl_fail(failure, RL_FAILURE_TOPOLOGY,
+			ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION, RL_HINT_NONE,
+			NULL, "no Redis Cluster node to ask for the slot map");
 	/* pass 0: masters known; 1: seeds; 2: the other nodes known */
 	left = known + nseeds;
 	for (pass = 0; pass < 3; pass++)
@@ -481,10 +479,10 @@ rl_cluster_refresh(RlFailure *failure)
 			if (!rl_read_slots(reply, host))
 			{
 				freeReplyObject(reply);
-				failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
-				snprintf(failure->message, sizeof(failure->message),
-						 "unexpected reply to CLUSTER SLOTS from Redis at %s",
-						 rl_conn_name(conn));
+				rl_fail(failure, RL_FAILURE_PROTOCOL, ERRCODE_PROTOCOL_VIOLATION,
+						RL_HINT_NONE, NULL,
+						"unexpected reply to CLUSTER SLOTS from Redis at %s",
+						rl_conn_name(conn));
 				continue;
 			}
 			freeReplyObject(reply);
@@ -518,17 +516,16 @@ rl_sentinel_discover(RlFailure *failure)
 	int			n;
 
 	master_checked_at = GetCurrentTimestamp();
-	failure->first_in_outage = true;
-	failure->breaker_opened = false;
-	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 	if (rl_sentinel_master[0] == '\0')
 	{
-		snprintf(failure->message, sizeof(failure->message),
-				 "rl_redis.sentinel_master is not set");
+		rl_fail(failure, RL_FAILURE_CONFIG,
+				ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+				RL_HINT_NONE, NULL, "rl_redis.sentinel_master is not set");
 		return false;
 	}
-	snprintf(failure->message, sizeof(failure->message),
-			 "no sentinel named the master \"%s\"", rl_sentinel_master);
+	rl_fail(failure, RL_FAILURE_TOPOLOGY,
+			ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION, RL_HINT_NONE,
+			NULL, "no sentinel named the master \"%s\"", rl_sentinel_master);
 	for (n = 0; n < nseeds && GetCurrentTimestamp() < deadline; n++)
 	{
 		int			i = (sentinel_first + n) % nseeds;
@@ -562,10 +559,11 @@ rl_sentinel_discover(RlFailure *failure)
 			!rl_reply_scalar(reply->element[1]) ||
 			(port = rl_reply_number(reply->element[1])) < 1 || port > 65535)
 		{
-			failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
-			snprintf(failure->message, sizeof(failure->message),
-					 "the sentinel at %s does not know the master \"%s\"",
-					 rl_conn_name(conn), rl_sentinel_master);
+			rl_fail(failure, RL_FAILURE_TOPOLOGY,
+					ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					RL_HINT_NONE, NULL,
+					"the sentinel at %s does not know the master \"%s\"",
+					rl_conn_name(conn), rl_sentinel_master);
 			freeReplyObject(reply);
 			continue;
 		}
@@ -612,10 +610,11 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 		}
 		else if (master_conn == NULL || master_stale)
 		{
-			failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
-			snprintf(failure->message, sizeof(failure->message),
-					 "no sentinel named the master \"%s\" lately",
-					 rl_sentinel_master);
+			rl_fail(failure, RL_FAILURE_TOPOLOGY,
+					ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					RL_HINT_NONE, NULL,
+					"no sentinel named the master \"%s\" lately",
+					rl_sentinel_master);
 		}
 		if (master_conn != NULL && !master_stale)
 			conn = master_conn;
@@ -631,9 +630,10 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 		}
 		if (!map_loaded)
 		{
-			failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
-			snprintf(failure->message, sizeof(failure->message),
-					 "the slot map of the Redis Cluster is not known");
+			rl_fail(failure, RL_FAILURE_TOPOLOGY,
+					ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					RL_HINT_NONE, NULL,
+					"the slot map of the Redis Cluster is not known");
 		}
 		else
 		{
@@ -644,9 +644,9 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 			else
 			{
 				map_stale = true;
-				failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-				snprintf(failure->message, sizeof(failure->message),
-						 "no Redis Cluster node serves hash slot %d", slot);
+				rl_fail(failure, RL_FAILURE_TOPOLOGY,
+						ERRCODE_CONNECTION_FAILURE, RL_HINT_NONE, NULL,
+						"no Redis Cluster node serves hash slot %d", slot);
 			}
 		}
 	}
@@ -718,11 +718,9 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 			(*conns)[n++] = nodes[i].conn;
 	if (n == 0)
 	{
-		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-		failure->first_in_outage = true;
-		failure->breaker_opened = false;
-		snprintf(failure->message, sizeof(failure->message),
-				 "no Redis Cluster node serves any hash slot");
+		rl_fail(failure, RL_FAILURE_TOPOLOGY, ERRCODE_CONNECTION_FAILURE,
+				RL_HINT_NONE, NULL,
+				"no Redis Cluster node serves any hash slot");
 		return -1;
 	}
 	return n;
@@ -1163,12 +1161,11 @@ rl_call_many(RlCall *calls, int n)
 		}
 		if (GetCurrentTimestamp() >= deadline)
 		{
-			calls[i].failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
+			rl_fail(&calls[i].failure, RL_FAILURE_TIMEOUT,
+					ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT, NULL,
+					"timed out: Redis did not run a call of a batch within %d ms",
+					timeout);
 			calls[i].failure.first_in_outage = !warned;
-			calls[i].failure.breaker_opened = false;
-			snprintf(calls[i].failure.message, sizeof(calls[i].failure.message),
-					 "timed out: Redis did not run a call of a batch within %d ms",
-					 timeout);
 			warned = true;
 			continue;
 		}

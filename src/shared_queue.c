@@ -600,12 +600,10 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	{
 		/* given up by rl_shared_wait */
 		rl_conn_note_sent(own, end == RL_WAIT_TIMED_OUT);
-		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-		failure->first_in_outage = true;
-		failure->breaker_opened = false;
-		snprintf(failure->message, sizeof(failure->message),
-				 "timed out after %d ms waiting for the rl_redis worker's reply from Redis",
-				 wait_ms);
+		rl_fail(failure, RL_FAILURE_TIMEOUT, ERRCODE_CONNECTION_FAILURE,
+				RL_HINT_COMMAND_TIMEOUT, NULL,
+				"timed out after %d ms waiting for the rl_redis worker's reply from Redis",
+				wait_ms);
 		return NULL;
 	}
 
@@ -626,11 +624,8 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 		if (reply != NULL)
 			freeReplyObject(reply);
 		reply = NULL;
-		failure->sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
-		failure->first_in_outage = true;
-		failure->breaker_opened = false;
-		snprintf(failure->message, sizeof(failure->message),
-				 "invalid reply from the rl_redis worker");
+		rl_fail(failure, RL_FAILURE_PROTOCOL, ERRCODE_PROTOCOL_VIOLATION,
+				RL_HINT_NONE, NULL, "invalid reply from the rl_redis worker");
 	}
 	if (reader != NULL)
 		redisReaderFree(reader);
@@ -772,11 +767,9 @@ rl_shared_worker_stop(void)
 		{
 			slot->failed = true;
 			slot->sent = true;
-			slot->failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-			slot->failure.first_in_outage = true;
-			slot->failure.breaker_opened = false;
-			snprintf(slot->failure.message, sizeof(slot->failure.message),
-					 "the rl_redis worker exited while a call to Redis was on its way; it may have been applied");
+			rl_fail(&slot->failure, RL_FAILURE_WORKER,
+					ERRCODE_CONNECTION_FAILURE, RL_HINT_NONE, NULL,
+					"the rl_redis worker exited while a call to Redis was on its way; it may have been applied");
 			slot->state = RL_SLOT_DONE;
 			owner = slot->owner;
 		}
@@ -956,12 +949,10 @@ rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure,
 		slot->failure = *failure;
 	else if (buf.len > RL_SLOT_REPLY)
 	{
-		slot->failure.sqlerrcode = ERRCODE_PROTOCOL_VIOLATION;
-		slot->failure.first_in_outage = true;
-		slot->failure.breaker_opened = false;
-		snprintf(slot->failure.message, sizeof(slot->failure.message),
-				 "a reply of %d bytes from Redis does not fit the shared queue (%d)",
-				 buf.len, RL_SLOT_REPLY);
+		rl_fail(&slot->failure, RL_FAILURE_PROTOCOL,
+				ERRCODE_PROTOCOL_VIOLATION, RL_HINT_NONE, NULL,
+				"a reply of %d bytes from Redis does not fit the shared queue (%d)",
+				buf.len, RL_SLOT_REPLY);
 	}
 	else
 	{

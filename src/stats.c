@@ -295,31 +295,27 @@ rl_stats_decided(const char *key, size_t len, const RlDecision *d,
 }
 
 /*
- * Counts a call on key that failed, by the kind of failure: no connection
- * (08001, or 08006 but a timeout), a timeout, an error reply of Redis
- * (08000), a reply that is not what the script returns (08P01); and an
- * outage that began with it (it opened the circuit breaker).
+ * Counts a call on key that failed, by the kind of failure: a timeout, an
+ * error reply of Redis, a reply that is not what the script returns, and
+ * all the others as no connection; and an outage that began with it (it
+ * opened the circuit breaker).
  */
 void
 rl_stats_failed(const char *key, size_t len, const RlFailure *failure,
 				bool count_outage)
 {
 	RlStatsEntry *e = rl_stats_row(key, len, true);
-	bool		reply = failure->sqlerrcode == ERRCODE_CONNECTION_EXCEPTION;
-	bool		protocol = failure->sqlerrcode == ERRCODE_PROTOCOL_VIOLATION;
-	bool		timeout = !reply && !protocol &&
-		strstr(failure->message, "timed out") != NULL;
 
 	if (e == NULL)
 		return;
 	rl_stats_lock(e);
 	e->counters.calls++;
 	e->counters.errors++;
-	if (reply)
+	if (failure->kind == RL_FAILURE_REPLY)
 		e->counters.errors_reply++;
-	else if (protocol)
+	else if (failure->kind == RL_FAILURE_PROTOCOL)
 		e->counters.errors_protocol++;
-	else if (timeout)
+	else if (failure->kind == RL_FAILURE_TIMEOUT)
 		e->counters.errors_timeout++;
 	else
 		e->counters.errors_connection++;

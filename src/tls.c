@@ -94,9 +94,9 @@ rl_tls_setup(RlTls *tls, pgsocket sock, const char *host, const char *server,
 		if (SSL_CTX_load_verify_locations(tls->ctx, rl_tls_ca_file, NULL) != 1)
 		{
 			rl_tls_error(tls, errbuf, sizeof(errbuf));
-			failure->sqlerrcode = ERRCODE_CONFIG_FILE_ERROR;
-			snprintf(failure->message, sizeof(failure->message),
-					 "could not load rl_redis.tls_ca_file: %s", errbuf);
+			rl_fail(failure, RL_FAILURE_CONFIG, ERRCODE_CONFIG_FILE_ERROR,
+					RL_HINT_NONE, errbuf,
+					"could not load rl_redis.tls_ca_file");
 			return false;
 		}
 	}
@@ -111,10 +111,9 @@ rl_tls_setup(RlTls *tls, pgsocket sock, const char *host, const char *server,
 			SSL_CTX_check_private_key(tls->ctx) != 1)
 		{
 			rl_tls_error(tls, errbuf, sizeof(errbuf));
-			failure->sqlerrcode = ERRCODE_CONFIG_FILE_ERROR;
-			snprintf(failure->message, sizeof(failure->message),
-					 "could not load the client certificate (rl_redis.tls_cert_file, rl_redis.tls_key_file): %s",
-					 errbuf);
+			rl_fail(failure, RL_FAILURE_CONFIG, ERRCODE_CONFIG_FILE_ERROR,
+					RL_HINT_NONE, errbuf,
+					"could not load the client certificate (rl_redis.tls_cert_file, rl_redis.tls_key_file)");
 			return false;
 		}
 	}
@@ -132,9 +131,9 @@ rl_tls_setup(RlTls *tls, pgsocket sock, const char *host, const char *server,
 
 fail:
 	rl_tls_error(tls, errbuf, sizeof(errbuf));
-	failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
-	snprintf(failure->message, sizeof(failure->message),
-			 "could not set up TLS for Redis at %s: %s", server, errbuf);
+	rl_fail(failure, RL_FAILURE_CONFIG,
+			ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION, RL_HINT_NONE,
+			errbuf, "could not set up TLS for Redis at %s", server);
 	return false;
 }
 

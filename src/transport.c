@@ -337,25 +337,19 @@ rl_format_address(char *buf, const char *host, int port)
 void
 rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 {
-	failure->first_in_outage = true;
-	failure->breaker_opened = false;
 	/* Redis 7 refuses commands of more than 10 words before AUTH */
 	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
 		strncmp(reply->str, "WRONGPASS", 9) == 0 ||
 		strncmp(reply->str, "ERR Protocol error: unauthenticated", 35) == 0)
-	{
-		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
-		snprintf(failure->message, sizeof(failure->message),
-				 "could not authenticate to Redis at %s: %s",
-				 rl_conn_name(conn), reply->str);
-	}
+		rl_fail(failure, RL_FAILURE_AUTH,
+				ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+				conn->kind == RL_CONN_SENTINEL ? RL_HINT_SENTINEL_PASSWORD :
+				RL_HINT_PASSWORD, reply->str,
+				"could not authenticate to Redis at %s", rl_conn_name(conn));
 	else
-	{
-		failure->sqlerrcode = ERRCODE_CONNECTION_EXCEPTION;
-		snprintf(failure->message, sizeof(failure->message),
-				 "Redis at %s returned an error: %s",
-				 rl_conn_name(conn), reply->str);
-	}
+		rl_fail(failure, RL_FAILURE_REPLY, ERRCODE_CONNECTION_EXCEPTION,
+				RL_HINT_NONE, reply->str, "Redis at %s returned an error",
+				rl_conn_name(conn));
 	freeReplyObject(reply);
 }
 
@@ -433,8 +427,8 @@ rl_conn_info(int n, RlConnInfo *info)
 	if (conn->breaker.outage_start != 0)
 	{
 		info->failing_since = conn->breaker.outage_start;
-		strlcpy(info->last_error, conn->breaker.last_failure.message,
-				sizeof(info->last_error));
+		rl_failure_text(&conn->breaker.last_failure, info->last_error,
+						sizeof(info->last_error));
 		if (rl_retry_interval > 0)
 			info->retry_in_ms =
 				Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
@@ -587,20 +581,21 @@ rl_conn_reset_breaker(RlConn *conn)
 	rl_breaker_reset(&conn->breaker);
 }
 
-/* Fills in a failure and discards the connection. */
+/* Fills in a failure (as rl_fail) and discards the connection. */
 static void
-rl_fail(RlConn *conn, RlFailure *failure, int sqlerrcode, const char *fmt,...)
-	pg_attribute_printf(4, 5);
+rl_conn_fail(RlConn *conn, RlFailure *failure, RlFailureKind kind,
+			 int sqlerrcode, RlHint hint, const char *detail,
+			 const char *fmt,...) pg_attribute_printf(7, 8);
 
 static void
-rl_fail(RlConn *conn, RlFailure *failure, int sqlerrcode, const char *fmt,...)
+rl_conn_fail(RlConn *conn, RlFailure *failure, RlFailureKind kind,
+			 int sqlerrcode, RlHint hint, const char *detail,
+			 const char *fmt,...)
 {
 	va_list		ap;
 
-	failure->sqlerrcode = sqlerrcode;
-	failure->hint = RL_HINT_NONE;
 	va_start(ap, fmt);
-	vsnprintf(failure->message, sizeof(failure->message), fmt, ap);
+	rl_vfail(failure, kind, sqlerrcode, hint, detail, fmt, ap);
 	va_end(ap);
 	rl_disconnect(conn);
 }
@@ -733,15 +728,18 @@ rl_write(RlConn *conn, const char *buf, size_t len, size_t *done,
 					failure->sqlerrcode = 0;
 					return false;
 				}
-				rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-						"timed out sending to Redis at %s", conn->address);
+				rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
+							 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT,
+							 NULL, "timed out sending to Redis at %s",
+							 conn->address);
 				return false;
 			}
 		}
 		else
 		{
-			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-					"could not send to Redis at %s: %s", conn->address, errbuf);
+			rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+						 ERRCODE_CONNECTION_FAILURE, RL_HINT_NONE, errbuf,
+						 "could not send to Redis at %s", conn->address);
 			return false;
 		}
 	}
@@ -768,9 +766,10 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 
 		if (redisReaderGetReply(conn->reader, &reply) != REDIS_OK)
 		{
-			rl_fail(conn, failure, ERRCODE_PROTOCOL_VIOLATION,
-					"invalid reply from Redis at %s: %s",
-					conn->address, conn->reader->errstr);
+			rl_conn_fail(conn, failure, RL_FAILURE_PROTOCOL,
+						 ERRCODE_PROTOCOL_VIOLATION, RL_HINT_NONE,
+						 conn->reader->errstr, "invalid reply from Redis at %s",
+						 conn->address);
 			return NULL;
 		}
 		if (reply != NULL)
@@ -786,22 +785,25 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 		{
 			if (redisReaderFeed(conn->reader, inbuf, n) != REDIS_OK)
 			{
-				rl_fail(conn, failure, ERRCODE_PROTOCOL_VIOLATION,
-						"invalid reply from Redis at %s: %s",
-						conn->address, conn->reader->errstr);
+				rl_conn_fail(conn, failure, RL_FAILURE_PROTOCOL,
+							 ERRCODE_PROTOCOL_VIOLATION, RL_HINT_NONE,
+							 conn->reader->errstr,
+							 "invalid reply from Redis at %s", conn->address);
 				return NULL;
 			}
 		}
 		else if (n == 0)
 		{
-			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-					"Redis at %s closed the connection", conn->address);
+			rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+						 ERRCODE_CONNECTION_FAILURE, RL_HINT_NONE, NULL,
+						 "Redis at %s closed the connection", conn->address);
 			return NULL;
 		}
 		else if (n != RL_IO_WAIT)
 		{
-			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-					"could not receive from Redis at %s: %s", conn->address, errbuf);
+			rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+						 ERRCODE_CONNECTION_FAILURE, RL_HINT_NONE, errbuf,
+						 "could not receive from Redis at %s", conn->address);
 			return NULL;
 		}
 		else if (!rl_wait(conn, want, deadline))
@@ -811,8 +813,10 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 				failure->sqlerrcode = 0;
 				return NULL;
 			}
-			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-					"timed out waiting for a reply from Redis at %s", conn->address);
+			rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
+						 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT,
+						 NULL, "timed out waiting for a reply from Redis at %s",
+						 conn->address);
 			return NULL;
 		}
 	}
@@ -843,16 +847,20 @@ rl_tls_start(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 			return true;
 		if (r != RL_IO_WAIT)
 		{
-			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-					"could not connect to Redis at %s: TLS handshake failed: %s",
-					conn->address, errbuf);
+			rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+						 RL_HINT_NONE, errbuf,
+						 "could not connect to Redis at %s: TLS handshake failed",
+						 conn->address);
 			return false;
 		}
 		if (!rl_wait(conn, want, deadline))
 		{
-			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-					"could not connect to Redis at %s: TLS handshake timed out after %d ms",
-					conn->address, rl_connect_timeout);
+			rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
+						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+						 RL_HINT_CONNECT_TIMEOUT, NULL,
+						 "could not connect to Redis at %s: TLS handshake timed out after %d ms",
+						 conn->address, rl_connect_timeout);
 			return false;
 		}
 	}
@@ -910,9 +918,11 @@ rl_open_socket(RlConn *conn, const struct sockaddr *addr, socklen_t addrlen,
 
 	if (!AcquireExternalFD())
 	{
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not connect to Redis at %s: too many open files",
-				conn->address);
+		rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_NONE, NULL,
+					 "could not connect to Redis at %s: too many open files",
+					 conn->address);
 		return false;
 	}
 	conn->fd_acquired = true;
@@ -920,15 +930,19 @@ rl_open_socket(RlConn *conn, const struct sockaddr *addr, socklen_t addrlen,
 	conn->sock = socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (conn->sock == PGINVALID_SOCKET)
 	{
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not create socket for Redis at %s: %m", conn->address);
+		rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_NONE, strerror(errno),
+					 "could not create socket for Redis at %s", conn->address);
 		return false;
 	}
 	if (!pg_set_noblock(conn->sock))
 	{
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not set socket for Redis at %s to non-blocking mode: %m",
-				conn->address);
+		rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_NONE, strerror(errno),
+					 "could not set socket for Redis at %s to non-blocking mode",
+					 conn->address);
 		return false;
 	}
 	if (addr->sa_family != AF_UNIX)
@@ -949,15 +963,19 @@ rl_open_socket(RlConn *conn, const struct sockaddr *addr, socklen_t addrlen,
 		return true;
 	if (errno != EINPROGRESS && errno != EAGAIN && errno != EINTR)
 	{
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not connect to Redis at %s: %m", conn->address);
+		rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_SERVER, strerror(errno),
+					 "could not connect to Redis at %s", conn->address);
 		return false;
 	}
 	if (!rl_wait(conn, WL_SOCKET_WRITEABLE, deadline))
 	{
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not connect to Redis at %s: timed out after %d ms",
-				conn->address, rl_connect_timeout);
+		rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_CONNECT_TIMEOUT, NULL,
+					 "could not connect to Redis at %s: timed out after %d ms",
+					 conn->address, rl_connect_timeout);
 		return false;
 	}
 	if (getsockopt(conn->sock, SOL_SOCKET, SO_ERROR, &err, &errlen) < 0)
@@ -965,8 +983,10 @@ rl_open_socket(RlConn *conn, const struct sockaddr *addr, socklen_t addrlen,
 	if (err != 0)
 	{
 		errno = err;
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not connect to Redis at %s: %m", conn->address);
+		rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_SERVER, strerror(errno),
+					 "could not connect to Redis at %s", conn->address);
 		return false;
 	}
 	return true;
@@ -990,12 +1010,22 @@ rl_handshake(RlConn *conn, const char *what, int argc, const char **argv,
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
 		char		text[256];
+		bool		auth = strcmp(what, "AUTH") == 0;
 
 		snprintf(text, sizeof(text), "%s", reply->str);
 		freeReplyObject(reply);
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not connect to Redis at %s: %s failed: %s",
-				conn->address, what, text);
+		if (auth)
+			rl_conn_fail(conn, failure, RL_FAILURE_AUTH,
+						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+						 conn->kind == RL_CONN_SENTINEL ?
+						 RL_HINT_SENTINEL_PASSWORD : RL_HINT_PASSWORD, text,
+						 "could not authenticate to Redis at %s", conn->address);
+		else
+			rl_conn_fail(conn, failure, RL_FAILURE_CONFIG,
+						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+						 RL_HINT_NONE, text,
+						 "could not connect to Redis at %s: %s failed",
+						 conn->address, what);
 		return false;
 	}
 	freeReplyObject(reply);
@@ -1031,9 +1061,11 @@ rl_check_master(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	freeReplyObject(reply);
 	if (strcmp(role, "master") == 0)
 		return true;
-	rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-			"could not connect to Redis at %s: it is not the master (ROLE says \"%s\")",
-			conn->address, role);
+	rl_conn_fail(conn, failure, RL_FAILURE_TOPOLOGY,
+				 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+				 RL_HINT_NONE, NULL,
+				 "could not connect to Redis at %s: it is not the master (ROLE says \"%s\")",
+				 conn->address, role);
 	return false;
 }
 
@@ -1161,16 +1193,20 @@ rl_resolve(RlConn *conn, struct sockaddr_un *sun, RlFailure *failure)
 	{
 		if (rl_tls)
 		{
-			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-					"could not connect to Redis at %s: TLS needs a TCP host, not a Unix socket",
-					conn->address);
+			rl_conn_fail(conn, failure, RL_FAILURE_CONFIG,
+						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+						 RL_HINT_NONE, NULL,
+						 "could not connect to Redis at %s: TLS needs a TCP host, not a Unix socket",
+						 conn->address);
 			return false;
 		}
 		if (strlen(conn->host) >= sizeof(sun->sun_path))
 		{
-			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-					"could not connect to Redis at %s: socket path is too long",
-					conn->address);
+			rl_conn_fail(conn, failure, RL_FAILURE_CONFIG,
+						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+						 RL_HINT_NONE, NULL,
+						 "could not connect to Redis at %s: socket path is too long",
+						 conn->address);
 			return false;
 		}
 		memset(sun, 0, sizeof(*sun));
@@ -1187,9 +1223,10 @@ rl_resolve(RlConn *conn, struct sockaddr_un *sun, RlFailure *failure)
 	if (rc != 0)
 	{
 		conn->pending_addrs = NULL;
-		rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-				"could not resolve Redis host \"%s\": %s",
-				conn->host, gai_strerror(rc));
+		rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_SERVER, gai_strerror(rc),
+					 "could not resolve Redis host \"%s\"", conn->host);
 		return false;
 	}
 	return true;
@@ -1236,7 +1273,8 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	conn->reader = redisReaderCreate();
 	if (conn->reader == NULL)
 	{
-		rl_fail(conn, failure, ERRCODE_OUT_OF_MEMORY, "out of memory");
+		rl_conn_fail(conn, failure, RL_FAILURE_CONNECTION,
+					 ERRCODE_OUT_OF_MEMORY, RL_HINT_NONE, NULL, "out of memory");
 		return false;
 	}
 	conn->ready = true;
@@ -1257,9 +1295,10 @@ rl_authenticate(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 							  password, sizeof(password), err, sizeof(err),
 							  &hint))
 		{
-			rl_fail(conn, failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-					"could not connect to Redis at %s: %s", conn->address, err);
-			failure->hint = hint;
+			rl_conn_fail(conn, failure, RL_FAILURE_CONFIG,
+						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+						 hint, err, "could not connect to Redis at %s",
+						 conn->address);
 			return false;
 		}
 		if (password[0] != '\0')
@@ -1611,8 +1650,10 @@ rl_read_stalled(RlConn *conn, RlFailure *failure)
 		TimestampDifferenceExceeds(conn->stalled_since, now,
 								   rl_command_timeout > 0 ? rl_command_timeout :
 								   rl_xact_end_budget))
-		rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-				"timed out waiting for a reply from Redis at %s", conn->address);
+		rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
+					 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT, NULL,
+					 "timed out waiting for a reply from Redis at %s",
+					 conn->address);
 	return false;
 }
 
@@ -1933,21 +1974,20 @@ rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline,
 	RlHold		hold;
 	volatile bool ok = false;
 
-	failure->sqlerrcode = 0;
 	if (conn->settings.data == NULL ||
 		(conn->host[0] != '/' && conn->addrlen == 0))
 	{
-		snprintf(failure->message, sizeof(failure->message),
-				 "no connection was made to Redis at %s in this session yet",
-				 conn->address);
+		rl_fail(failure, RL_FAILURE_CONNECTION, 0, RL_HINT_NONE, NULL,
+				"no connection was made to Redis at %s in this session yet",
+				conn->address);
 		return false;
 	}
 	rl_hold_save(&hold);
 	PG_TRY();
 	{
 		if (rl_settings_differ(conn))
-			snprintf(failure->message, sizeof(failure->message),
-					 "the connection settings name another Redis server now");
+			rl_fail(failure, RL_FAILURE_CONFIG, 0, RL_HINT_NONE, NULL,
+					"the connection settings name another Redis server now");
 		else
 			ok = rl_connect(conn, deadline, false, failure);
 	}
@@ -1955,9 +1995,9 @@ rl_reconnect_at_xact_end(RlConn *conn, TimestampTz deadline,
 	{
 		rl_hold_restore(&hold);
 		rl_disconnect(conn);
-		failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-		snprintf(failure->message, sizeof(failure->message),
-				 "could not connect to Redis at %s", conn->address);
+		rl_fail(failure, RL_FAILURE_CONNECTION, ERRCODE_CONNECTION_FAILURE,
+				RL_HINT_NONE, NULL, "could not connect to Redis at %s",
+				conn->address);
 		ok = false;
 	}
 	PG_END_TRY();
@@ -1985,6 +2025,7 @@ static void
 rl_flush_queue(RlConn *conn, TimestampTz deadline)
 {
 	RlFailure	failure = {0};
+	char		text[sizeof(failure.message) + sizeof(failure.detail)];
 	RlHold		hold;
 	uint64		replies_before = conn->replies_read;
 
@@ -2018,7 +2059,8 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 				ereport(WARNING,
 						(errmsg("rate-limit work of the transaction end (slot releases, refunds) waits for the session's next call"),
 						 errdetail("Redis at %s could not be reached within rl_redis.xact_end_budget: %s.",
-								   conn->address, failure.message)));
+								   conn->address,
+								   rl_failure_text(&failure, text, sizeof(text)))));
 				if (failure.sqlerrcode != 0)
 					rl_breaker_failed(&conn->breaker, &failure);
 			}
@@ -2039,16 +2081,19 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 				ereport(WARNING,
 						(errcode(failure.sqlerrcode),
 						 errmsg_internal("%s", failure.message),
+						 failure.detail[0] != '\0' ?
+						 errdetail_internal("%s\nRate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.",
+											failure.detail) :
 						 errdetail("Rate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.")));
 				rl_breaker_failed(&conn->breaker, &failure);
 			}
 			else if (conn->replies_read == replies_before)
 			{
 				/* Redis did not answer at all: hung */
-				failure.sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-				snprintf(failure.message, sizeof(failure.message),
-						 "timed out waiting for a reply from Redis at %s",
-						 conn->address);
+				rl_fail(&failure, RL_FAILURE_TIMEOUT, ERRCODE_CONNECTION_FAILURE,
+						RL_HINT_COMMAND_TIMEOUT, NULL,
+						"timed out waiting for a reply from Redis at %s",
+						conn->address);
 				rl_breaker_failed(&conn->breaker, &failure);
 			}
 		}
@@ -2348,12 +2393,10 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 		!rl_read_pending(conn, deadline, true, failure))
 	{
 		if (failure->sqlerrcode == 0)
-		{
-			failure->sqlerrcode = ERRCODE_CONNECTION_FAILURE;
-			snprintf(failure->message, sizeof(failure->message),
-					 "timed out: Redis at %s is still busy with rate-limit work of earlier transaction ends",
-					 conn->address);
-		}
+			rl_fail(failure, RL_FAILURE_TIMEOUT, ERRCODE_CONNECTION_FAILURE,
+					RL_HINT_COMMAND_TIMEOUT, NULL,
+					"timed out: Redis at %s is still busy with rate-limit work of earlier transaction ends",
+					conn->address);
 		rl_breaker_failed(&conn->breaker, failure);
 		return false;
 	}
@@ -2380,8 +2423,10 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 			deadline = rl_deadline(command_ms);
 		} while (!ok && failure->sqlerrcode == 0 && part > 0);
 		if (!ok && failure->sqlerrcode == 0)
-			rl_fail(conn, failure, ERRCODE_CONNECTION_FAILURE,
-					"timed out sending to Redis at %s", conn->address);
+			rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
+						 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT,
+						 NULL, "timed out sending to Redis at %s",
+						 conn->address);
 	}
 	/* Redis runs only whole commands: the first is whole once all of it went */
 	conn->last_command_sent = ok || (n > 1 && done > 0);

@@ -99,11 +99,11 @@ rl_worker_round(RlCall *calls, int *slots)
 				calls[n].script = rl_script_by_id(script_id);
 				if (calls[n].script == NULL)
 				{
-					RlFailure	failure = {0};
+					RlFailure	failure;
 
-					failure.sqlerrcode = ERRCODE_INTERNAL_ERROR;
-					snprintf(failure.message, sizeof(failure.message),
-							 "the rl_redis worker does not know the script of a call");
+					rl_fail(&failure, RL_FAILURE_WORKER, ERRCODE_INTERNAL_ERROR,
+							RL_HINT_NONE, NULL,
+							"the rl_redis worker does not know the script of a call");
 					rl_shared_complete(i, NULL, &failure, false);
 					break;
 				}
