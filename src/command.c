@@ -12,7 +12,6 @@
 
 #include "lib/stringinfo.h"
 #include "utils/memutils.h"
-#include "utils/timeout.h"
 #include "utils/timestamp.h"
 
 #include "rl_redis.h"
@@ -67,7 +66,7 @@ rl_send_queued(RlConn *except)
 		RlConn	   *conn;
 		bool		sent = false;
 
-		for (conn = conn_list; conn != NULL; conn = conn->next)
+		for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 		{
 			const char *argv[1] = {"PING"};
 			size_t		argvlen[1] = {4};
@@ -128,12 +127,7 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 	bool		ok;
 	int			i;
 
-	/* the connections are in use again */
-	if (idle_timeout_id != MAX_TIMEOUTS && get_timeout_active(idle_timeout_id))
-		disable_timeout(idle_timeout_id, false);
-	else if (idle_timeout_id == MAX_TIMEOUTS && rl_idle_timeout > 0)
-		idle_timeout_id = RegisterTimeout(USER_TIMEOUT, rl_idle_timeout_handler);
-	used_since_idle = true;
+	rl_idle_in_use();
 
 	if (limit_ms >= 0)
 	{
@@ -144,11 +138,11 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 
 	conn->last_command_sent = false;
 	conn->replies_due = 0;
-	if (out.data == NULL)
+	if (rl_out.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);
 
-		initStringInfo(&out);
+		initStringInfo(&rl_out);
 		MemoryContextSwitchTo(old);
 	}
 	if (conn->settings_seen != rl_settings_version())
@@ -162,6 +156,7 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 		return false;
 
 	conn->wait_for_call = false;
+	rl_register_exit();
 	if (!rl_conn_usable_now(conn))
 	{
 		bool		connected = rl_connect(conn, rl_deadline(connect_ms), true,
@@ -197,12 +192,12 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 		return false;
 	}
 
-	resetStringInfo(&out);
+	resetStringInfo(&rl_out);
 	for (i = 0; i < n; i++)
-		rl_encode(&out, cmds[i].argc, cmds[i].argv, cmds[i].argvlen);
+		rl_encode(&rl_out, cmds[i].argc, cmds[i].argv, cmds[i].argvlen);
 	conn->ready = false;		/* replies may be in flight from here on */
 	if (n == 1)
-		ok = rl_write(conn, out.data, out.len, &done, deadline, false, failure);
+		ok = rl_write(conn, rl_out.data, rl_out.len, &done, deadline, false, failure);
 	else
 	{
 		/*
@@ -213,7 +208,7 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 
 		do
 		{
-			ok = rl_write(conn, out.data + done, out.len - done, &part,
+			ok = rl_write(conn, rl_out.data + done, rl_out.len - done, &part,
 						  deadline, true, failure);
 			done += part;
 			deadline = rl_deadline(command_ms);
@@ -224,15 +219,15 @@ rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds, int limit_ms,
 	}
 	/* Redis runs only whole commands: the first is whole once all of it went */
 	conn->last_command_sent = ok || (n > 1 && done > 0);
-	if (out.maxlen > RL_KEEP_BUFFER)
+	if (rl_out.maxlen > RL_KEEP_BUFFER)
 	{
 		/* a huge command does not keep its buffer for the backend's life */
 		char	   *small = MemoryContextAlloc(TopMemoryContext, 1024);
 
-		pfree(out.data);
-		out.data = small;
-		out.maxlen = 1024;
-		resetStringInfo(&out);
+		pfree(rl_out.data);
+		rl_out.data = small;
+		rl_out.maxlen = 1024;
+		resetStringInfo(&rl_out);
 	}
 	if (!ok)
 	{

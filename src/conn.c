@@ -31,7 +31,7 @@ static HTAB *conn_cache = NULL;
 static RlConn *current = NULL;
 
 /* counts the changes of server (connection settings) */
-uint64 server_generation = 1;
+static uint64 server_generation = 1;
 
 /* counts the assignments of connection settings (see rl_settings_version) */
 static uint64 settings_version = 1;
@@ -131,7 +131,7 @@ rl_conn_name(RlConn *conn)
  * Every entry of conn_cache, linked: the transaction-end callbacks walk
  * this list, as a hash_seq scan there could raise.
  */
-RlConn *conn_list = NULL;
+RlConn *rl_conn_list = NULL;
 
 /* Writes the address of host and port into buf: "host:port" or the path. */
 static void
@@ -176,9 +176,9 @@ rl_conn_lookup(const char *host, int port, RlConnKind kind)
 		strlcpy(conn->host, host, RL_ADDRESS_LEN);
 		conn->port = port;
 		conn->sock = PGINVALID_SOCKET;
-		conn->next = conn_list;
+		conn->next = rl_conn_list;
 		pg_compiler_barrier();	/* whole before the idle handler can see it */
-		conn_list = conn;
+		rl_conn_list = conn;
 	}
 	return conn;
 }
@@ -203,7 +203,7 @@ rl_conn_info(int n, RlConnInfo *info)
 {
 	RlConn	   *conn;
 
-	for (conn = conn_list; conn != NULL && n > 0; conn = conn->next)
+	for (conn = rl_conn_list; conn != NULL && n > 0; conn = conn->next)
 		n--;
 	if (conn == NULL)
 		return false;
@@ -275,13 +275,25 @@ rl_servers_changed(const char *why)
 {
 	RlConn	   *conn;
 
-	for (conn = conn_list; conn != NULL; conn = conn->next)
+	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 	{
 		rl_disconnect(conn);
 		rl_discard_queue(conn, why);
 	}
 	server_generation++;
 	current = NULL;
+}
+
+/*
+ * The settings name another server than the one conn's queued work is for:
+ * drops that work, with a warning, and counts a change of server (see
+ * rl_server_generation).
+ */
+void
+rl_conn_other_server(RlConn *conn)
+{
+	rl_discard_queue(conn, "the connection settings now name another Redis server");
+	server_generation++;
 }
 
 /*
@@ -303,8 +315,7 @@ rl_conn_get(void)
 	if (current != NULL && current != conn)
 	{
 		rl_disconnect(current);
-		rl_discard_queue(current, "the connection settings now name another Redis server");
-		server_generation++;
+		rl_conn_other_server(current);
 	}
 	current = conn;
 	return conn;

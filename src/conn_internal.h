@@ -12,7 +12,6 @@
 #include <sys/socket.h>
 
 #include "storage/latch.h"
-#include "utils/timeout.h"
 
 /*
  * One connection to one Redis server, an entry of the per-backend cache
@@ -99,7 +98,7 @@ struct RlConn
 	bool		queue_writing;
 	size_t		queue_write_from;
 	size_t		queue_write_done;
-	struct RlConn *next;		/* the next entry of conn_list */
+	struct RlConn *next;		/* the next entry of rl_conn_list */
 };
 
 /* The hash key of conn_cache: the first fields of RlConn. */
@@ -117,13 +116,13 @@ StaticAssertDecl(offsetof(RlConn, kind) == offsetof(RlConnKey, kind) &&
 #define RL_KEEP_BUFFER (64 * 1024)
 
 /* the connections (conn.c) */
-extern RlConn *conn_list;
-extern uint64 server_generation;
+extern RlConn *rl_conn_list;
 extern void rl_disconnect(RlConn *conn);
 extern RlConn *rl_conn_lookup(const char *host, int port, RlConnKind kind);
 extern void rl_settings_signature(StringInfo buf, RlConnKind kind);
 extern bool rl_settings_differ(RlConn *conn);
 extern bool rl_settings_changed(RlConn *conn);
+extern void rl_conn_other_server(RlConn *conn);
 
 /* the Redis protocol (resp.c) */
 extern void rl_encode(StringInfo buf, int argc, const char **argv,
@@ -144,7 +143,7 @@ extern void rl_queue_push(RlConn *conn, int argc, const char **argv,
 						  size_t len, uint8 flags, uint8 tries);
 
 /* socket I/O (io.c) */
-extern StringInfoData out;
+extern StringInfoData rl_out;
 extern void rl_fail(RlConn *conn, RlFailure *failure, int sqlerrcode,
 					const char *fmt,...) pg_attribute_printf(4, 5);
 extern TimestampTz rl_deadline(int timeout_ms);
@@ -162,9 +161,7 @@ extern bool rl_connect(RlConn *conn, TimestampTz deadline, bool resolve,
 					   RlFailure *failure);
 
 /* idle connections (idle.c) */
-extern TimeoutId idle_timeout_id;
-extern bool used_since_idle;
-extern void rl_idle_timeout_handler(void);
+extern void rl_idle_in_use(void);
 extern void rl_arm_idle_timeout(void);
 
 /* sending the queues (xact_queue.c) */

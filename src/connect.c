@@ -153,8 +153,8 @@ rl_handshake(RlConn *conn, const char *what, int argc, const char **argv,
 {
 	redisReply *reply;
 
-	resetStringInfo(&out);
-	rl_encode(&out, argc, argv, argvlen);
+	resetStringInfo(&rl_out);
+	rl_encode(&rl_out, argc, argv, argvlen);
 	reply = rl_roundtrip(conn, deadline, failure);
 	if (reply == NULL)
 	{
@@ -189,8 +189,8 @@ rl_check_master(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	redisReply *reply;
 	char		role[32] = "?";
 
-	resetStringInfo(&out);
-	rl_encode(&out, 1, argv, argvlen);
+	resetStringInfo(&rl_out);
+	rl_encode(&rl_out, 1, argv, argvlen);
 	reply = rl_roundtrip(conn, deadline, failure);
 	if (reply == NULL)
 	{
@@ -374,7 +374,6 @@ rl_connect(RlConn *conn, TimestampTz deadline, bool resolve,
 {
 	struct sockaddr_un sun;
 
-	rl_register_exit();
 	rl_disconnect(conn);
 	if (conn->pending_addrs != NULL)
 	{
@@ -392,10 +391,7 @@ rl_connect(RlConn *conn, TimestampTz deadline, bool resolve,
 	}
 	/* what was queued for the previous server must not reach this one */
 	else if (rl_settings_differ(conn))
-	{
-		server_generation++;
-		rl_discard_queue(conn, "the connection settings now name another Redis server");
-	}
+		rl_conn_other_server(conn);
 	rl_settings_signature(&conn->settings, conn->kind);
 
 	if (!resolve && conn->host[0] != '/')

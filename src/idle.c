@@ -13,10 +13,10 @@
 #include "conn_internal.h"
 
 /* the timeout that closes idle connections (rl_redis.idle_timeout) */
-TimeoutId idle_timeout_id = MAX_TIMEOUTS;
+static TimeoutId idle_timeout_id = MAX_TIMEOUTS;
 
 /* a command was sent since the idle timeout was last armed */
-bool used_since_idle = false;
+static bool used_since_idle = false;
 
 /*
  * Closes the connections that have nothing queued or on the way (the
@@ -27,7 +27,7 @@ rl_close_idle(void)
 {
 	RlConn	   *conn;
 
-	for (conn = conn_list; conn != NULL; conn = conn->next)
+	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 	{
 		rl_queue_account(conn);
 		if (conn->sock != PGINVALID_SOCKET && conn->ready &&
@@ -45,7 +45,7 @@ rl_close_idle(void)
  * the socket stays allocated, so no other file can take its number; the
  * next command finds it closed (the liveness check) and connects again.
  */
-void
+static void
 rl_idle_timeout_handler(void)
 {
 	RlConn	   *conn;
@@ -56,7 +56,7 @@ rl_idle_timeout_handler(void)
 	 * (rl_disconnect); only connections with nothing queued or in flight
 	 * are shut down, and whoever uses one next checks it first.
 	 */
-	for (conn = conn_list; conn != NULL; conn = conn->next)
+	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 	{
 		pgsocket	sock = conn->sock;
 
@@ -90,11 +90,26 @@ rl_arm_idle_timeout(void)
 	}
 	if (!used_since_idle)
 		return;
-	for (conn = conn_list; conn != NULL; conn = conn->next)
+	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 		if (conn->sock != PGINVALID_SOCKET && conn->ready)
 			break;
 	if (conn == NULL)
 		return;
 	used_since_idle = false;
 	enable_timeout_after(idle_timeout_id, rl_idle_timeout);
+}
+
+/*
+ * A command is about to be sent: the connections are in use again, so the
+ * idle timeout stops (it is registered on first use with
+ * rl_redis.idle_timeout set).
+ */
+void
+rl_idle_in_use(void)
+{
+	if (idle_timeout_id != MAX_TIMEOUTS && get_timeout_active(idle_timeout_id))
+		disable_timeout(idle_timeout_id, false);
+	else if (idle_timeout_id == MAX_TIMEOUTS && rl_idle_timeout > 0)
+		idle_timeout_id = RegisterTimeout(USER_TIMEOUT, rl_idle_timeout_handler);
+	used_since_idle = true;
 }

@@ -30,7 +30,7 @@
 #include "conn_internal.h"
 
 /* reused for every command, so that a call allocates nothing */
-StringInfoData out;
+StringInfoData rl_out;
 
 static char inbuf[16384];
 
@@ -262,7 +262,7 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 }
 
 /*
- * Sends the command in out and reads its reply; the connection must be
+ * Sends the command in rl_out and reads its reply; the connection must be
  * open. For the set-up's commands (AUTH, SELECT, ROLE).
  */
 redisReply *
@@ -272,7 +272,7 @@ rl_roundtrip(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	size_t		done;
 
 	conn->ready = false;			/* a reply may be in flight from here on */
-	if (!rl_write(conn, out.data, out.len, &done, deadline, false, failure))
+	if (!rl_write(conn, rl_out.data, rl_out.len, &done, deadline, false, failure))
 		return NULL;
 	reply = rl_recv(conn, deadline, false, failure);
 	if (reply != NULL)

@@ -151,7 +151,6 @@ rl_queue_push(RlConn *conn, int argc, const char **argv,
 {
 	MemoryContext old;
 
-	rl_register_exit();
 	rl_queue_trim(conn);
 	if (conn->queue.len > RL_MAX_QUEUE)
 	{

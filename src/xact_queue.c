@@ -268,6 +268,7 @@ void
 rl_defer_command(RlConn *conn, int argc, const char **argv,
 				 const size_t *argvlen, uint8 flags)
 {
+	rl_register_exit();
 	rl_queue_push(conn, argc, argv, argvlen, NULL, 0, flags, 0);
 }
 
@@ -362,6 +363,7 @@ rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
 {
 	StringInfoData buf;
 
+	rl_register_exit();
 	if (body == NULL)
 	{
 		rl_queue_push(conn, 0, NULL, NULL, work->encoded, work->len,
@@ -558,7 +560,7 @@ rl_xact_end(bool abort)
 	if (rl_command_timeout > 0)
 		budget = Min(budget, rl_command_timeout);
 	deadline = rl_deadline(budget);
-	for (conn = conn_list; conn != NULL; conn = conn->next)
+	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 	{
 		if (abort && conn->sock != PGINVALID_SOCKET && !conn->ready)
 			rl_conn_interrupted(conn);
@@ -621,7 +623,7 @@ rl_transport_exit(int code, Datum arg)
 	TimestampTz deadline = rl_deadline(rl_xact_end_budget);
 
 	HOLD_INTERRUPTS();
-	for (conn = conn_list; conn != NULL; conn = conn->next)
+	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 	{
 		RlFailure	failure = {0};
 		RlHold		hold;
