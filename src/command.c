@@ -27,10 +27,7 @@ rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 {
 	failure->first_in_outage = true;
 	failure->breaker_opened = false;
-	/* Redis 7 refuses commands of more than 10 words before AUTH */
-	if (strncmp(reply->str, "NOAUTH", 6) == 0 ||
-		strncmp(reply->str, "WRONGPASS", 9) == 0 ||
-		strncmp(reply->str, "ERR Protocol error: unauthenticated", 35) == 0)
+	if (rl_classify_error(reply->str, conn->host, NULL) == RL_REPLY_AUTH)
 	{
 		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 		snprintf(failure->message, sizeof(failure->message),
@@ -282,4 +279,24 @@ rl_command_within(RlConn *conn, int argc, const char **argv,
 	if (!rl_pipeline_send(conn, 1, &cmd, limit_ms, failure))
 		return NULL;
 	return rl_pipeline_recv(conn, failure);
+}
+
+/*
+ * Sends ASKING on conn, so that its next command may touch a key that Redis
+ * Cluster is moving there (an ASK redirection). True when Redis took it;
+ * else false with *reply its error reply, or NULL with failure filled in,
+ * for the caller to return as the call's.
+ */
+bool
+rl_asking(RlConn *conn, redisReply **reply, RlFailure *failure)
+{
+	const char *argv[1] = {"ASKING"};
+	size_t		argvlen[1] = {6};
+
+	*reply = rl_command(conn, 1, argv, argvlen, failure);
+	if (*reply == NULL || (*reply)->type == REDIS_REPLY_ERROR)
+		return false;
+	freeReplyObject(*reply);
+	*reply = NULL;
+	return true;
 }

@@ -162,6 +162,9 @@ extern bool rl_connection_settings_changed;
 /* the most host:port items rl_redis.nodes may name */
 #define RL_MAX_SEEDS 64
 
+/* the number of hash slots of Redis Cluster */
+#define RL_HASH_SLOTS 16384
+
 /* advice for the HINT of a failure (rl_failure_hint); 0: none */
 typedef enum RlHint
 {
@@ -265,6 +268,7 @@ extern const char *rl_conn_host(RlConn *conn);
 extern RlConn *rl_conn_current(void);
 extern const char *rl_conn_name(RlConn *conn);
 extern void rl_conn_reset_breaker(RlConn *conn);
+extern bool rl_asking(RlConn *conn, redisReply **reply, RlFailure *failure);
 extern redisReply *rl_command(RlConn *conn, int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
 /* One command of a pipeline: its arguments. */
@@ -313,6 +317,41 @@ typedef struct RlDeferred
 extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
 								 const char *body);
 extern void rl_close_idle(void);
+
+/* the Redis protocol (resp.c) */
+
+/*
+ * What an error reply of Redis says (rl_classify_error): every class but
+ * RL_REPLY_OTHER and RL_REPLY_AUTH says that Redis did not run the command
+ * (rl_error_not_run).
+ */
+typedef enum RlReplyError
+{
+	RL_REPLY_OTHER,				/* refused for a reason of its own (OOM,
+								 * WRONGTYPE, NOPERM ...), or run and failed */
+	RL_REPLY_NOSCRIPT,			/* the script is not loaded there */
+	RL_REPLY_MOVED,				/* the hash slot is another node's now */
+	RL_REPLY_ASK,				/* the key is moving to another node: ask it
+								 * once, after ASKING */
+	RL_REPLY_TRYAGAIN,			/* keys of a hash slot on the move: later */
+	RL_REPLY_CLUSTERDOWN,		/* the cluster cannot serve: later, with a
+								 * fresh slot map */
+	RL_REPLY_READONLY,			/* a replica now: find the master */
+	RL_REPLY_NOT_READY,			/* LOADING, MASTERDOWN: later */
+	RL_REPLY_AUTH				/* not authenticated (NOAUTH, WRONGPASS ...) */
+} RlReplyError;
+
+/* Where a MOVED or ASK reply sends a command. */
+typedef struct RlRedirect
+{
+	int			hash_slot;
+	char		host[RL_ADDRESS_LEN];
+	int			port;
+} RlRedirect;
+
+extern RlReplyError rl_classify_error(const char *error, const char *from_host,
+									  RlRedirect *to);
+extern bool rl_error_not_run(RlReplyError what);
 
 /* scripts and algorithms (scripts.c) */
 typedef struct RlScript
@@ -374,7 +413,6 @@ extern int	rl_key_slot(const char *key, size_t len);
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
 extern RlConn *rl_route_known(const char *key, size_t keylen);
 extern int	rl_route_slot(const char *key, size_t keylen);
-extern bool rl_error_not_run(const char *error);
 extern int	rl_route_all(RlConn ***conns, RlFailure *failure);
 extern redisReply *rl_call(const char *key, size_t keylen,
 						   const RlScript *script, int argc, const char **argv,

@@ -70,10 +70,10 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 
 /*
  * A queued command k of conn got an error reply that says it was not run
- * (rl_error_not_run): a redirection of Redis Cluster ("MOVED <slot>
+ * (rl_error_not_run): a redirection of Redis Cluster ("MOVED <hash slot>
  * <host>:<port>" or "ASK ..."; an empty host is conn's), after which it
  * moves to the queue of the node named, after ASKING for ASK; or another
- * (TRYAGAIN, CLUSTERDOWN, READONLY, LOADING, MASTERDOWN: a slot being
+ * (TRYAGAIN, CLUSTERDOWN, READONLY, LOADING, MASTERDOWN: a hash slot being
  * moved, a failover, a server that is a replica now or not ready), after
  * which it waits in conn's queue for the session's next call there
  * (wait_for_call), which resolves the server's name again. Either way it
@@ -83,10 +83,8 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 static bool
 rl_queue_redirect(RlConn *conn, int k, const char *error)
 {
-	bool		ask = strncmp(error, "ASK ", 4) == 0;
-	const char *node;
-	char		host[RL_ADDRESS_LEN];
-	int			port;
+	RlRedirect	to;
+	RlReplyError what = rl_classify_error(error, conn->host, &to);
 	RlConn	   *target;
 	size_t		from = rl_queue_offset(conn, k);
 	size_t		len;
@@ -94,9 +92,9 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	uint8		flags;
 	uint8		tries;
 
-	if (!rl_error_not_run(error) || conn->queue_tries[k] >= RL_MAX_REQUEUE)
+	if (!rl_error_not_run(what) || conn->queue_tries[k] >= RL_MAX_REQUEUE)
 		return false;
-	if (!ask && strncmp(error, "MOVED ", 6) != 0)
+	if (what != RL_REPLY_MOVED && what != RL_REPLY_ASK)
 	{
 		target = conn;
 		conn->wait_for_call = true;
@@ -105,14 +103,11 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	{
 		if (rl_mode != RL_MODE_CLUSTER)
 			return false;
-		node = strchr(error + (ask ? 4 : 6), ' ');
-		if (node == NULL || !rl_parse_redirect_node(node + 1, conn->host, host, &port))
-			return false;
-		target = rl_conn_lookup(host, port, conn->kind);
+		target = rl_conn_lookup(to.host, to.port, conn->kind);
 		if (target == conn)
 			return false;
 	}
-	if (ask)
+	if (what == RL_REPLY_ASK)
 	{
 		const char *argv[1] = {"ASKING"};
 		size_t		argvlen[1] = {6};
