@@ -809,8 +809,8 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	for (j = 0; j < n; j++)
 		charges[j].failed = false;
 	for (j = 1; j < n; j++)
-		if (rl_route_slot(charges[j].key->data, charges[j].key->len) !=
-			rl_route_slot(charges[0].key->data, charges[0].key->len))
+		if (rl_route_hash_slot(charges[j].key->data, charges[j].key->len) !=
+			rl_route_hash_slot(charges[0].key->data, charges[0].key->len))
 			break;
 	if (j >= n)
 	{
@@ -838,7 +838,7 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	sp.order = palloc(sizeof(RlSlotCharge) * n);
 	for (j = 0; j < n; j++)
 	{
-		sp.order[j].slot = rl_route_slot(charges[j].key->data, charges[j].key->len);
+		sp.order[j].slot = rl_route_hash_slot(charges[j].key->data, charges[j].key->len);
 		sp.order[j].index = j;
 	}
 	qsort(sp.order, n, sizeof(RlSlotCharge), rl_slot_charge_cmp);
@@ -1330,7 +1330,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		{
 			StringInfo	key = rl_build_key(identities[i], policy, limit);
 
-			b.keys[i].slot = rl_route_slot(key->data, key->len);
+			b.keys[i].slot = rl_route_hash_slot(key->data, key->len);
 		}
 	}
 	if (rl_mode == RL_MODE_CLUSTER)

@@ -409,10 +409,10 @@ extern redisReply *rl_run_script_asking(RlConn *conn, const RlScript *script,
 extern size_t rl_clock_arg(char *buf);
 
 /* where a key goes, by rl_redis.mode (router.c) */
-extern int	rl_key_slot(const char *key, size_t len);
+extern int	rl_key_hash_slot(const char *key, size_t len);
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
 extern RlConn *rl_route_known(const char *key, size_t keylen);
-extern int	rl_route_slot(const char *key, size_t keylen);
+extern int	rl_route_hash_slot(const char *key, size_t keylen);
 extern int	rl_route_all(RlConn ***conns, RlFailure *failure);
 extern redisReply *rl_call(const char *key, size_t keylen,
 						   const RlScript *script, int argc, const char **argv,
@@ -438,10 +438,10 @@ extern void rl_call_many(RlCall *calls, int n);
 
 /* the shared queue of rl_redis.transport = shared (shared_queue.c) */
 
-/* the largest reply a slot of the queue holds (the Redis protocol) */
+/* the largest reply an entry of the queue holds (the Redis protocol) */
 #define RL_SHARED_REPLY_MAX 4096
 
-/* the most bytes of a call's arguments (or of deferred work) a slot holds */
+/* the most bytes of a call's arguments (or of deferred work) an entry holds */
 #define RL_SHARED_REQUEST_MAX 8192
 
 extern void rl_shared_queue_init(void);
@@ -454,7 +454,7 @@ extern bool rl_shared_defer(const RlDeferred *work, uint64 settings);
 extern void rl_shared_worker_start(uint64 settings);
 extern void rl_shared_worker_settings(uint64 settings);
 extern void rl_shared_worker_stop(void);
-extern int	rl_shared_slots(void);
+extern int	rl_shared_entries(void);
 extern void rl_shared_defer_wait(TimestampTz deadline);
 extern bool rl_shared_settled(TimestampTz deadline);
 extern int	rl_shared_take(int i, RlCall *call, int *script_id,

@@ -8,9 +8,9 @@
  *
  * cluster: the slot map (CLUSTER SLOTS) is learnt from the seeds
  * (rl_redis.nodes, else host:port) and the nodes already known, and a key
- * goes to the master of its slot (CRC16 of the key or of its hash tag, as
- * Redis computes it). A MOVED reply updates the slot and asks for a fresh
- * map; an ASK reply sends ASKING and the call to the node named, the map
+ * goes to the master of its hash slot (CRC16 of the key or of its hash tag,
+ * as Redis computes it). A MOVED reply updates the hash slot and asks for
+ * a fresh map; an ASK reply sends ASKING and the call to the node named, the map
  * unchanged; TRYAGAIN and CLUSTERDOWN are retried with a growing pause
  * within rl_redis.command_timeout; a READONLY reply or a connection that
  * failed asks for a fresh map. A fresh map is fetched at most every
@@ -71,7 +71,7 @@ static RlNode *nodes = NULL;
 static int	nnodes = 0;
 static int	maxnodes = 0;
 
-/* slot -> index in nodes + 1 (0: no node known); NULL until first needed */
+/* hash slot -> index in nodes + 1 (0: no node known); NULL until needed */
 static uint16 *slot_node = NULL;
 static bool map_loaded = false;
 static bool map_stale = false;
@@ -119,7 +119,7 @@ rl_crc16(const char *buf, size_t len)
  * whole key.
  */
 int
-rl_key_slot(const char *key, size_t len)
+rl_key_hash_slot(const char *key, size_t len)
 {
 	const char *open = memchr(key, '{', len);
 
@@ -317,8 +317,8 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 			from = range->element[0]->integer;
 			to = range->element[1]->integer;
 			port = rl_reply_number(master->element[1]);
-			if (from < 0 || to >= RL_HASH_SLOTS || from > to || port < 1 || port > 65535 ||
-				master->element[0]->len >= RL_ADDRESS_LEN - 8)
+			if (from < 0 || to >= RL_HASH_SLOTS || from > to || port < 1 ||
+				port > 65535 || master->element[0]->len >= RL_ADDRESS_LEN - 8)
 				goto bad;
 			/* an empty host is the node asked; "?" an unknown endpoint */
 			if (master->element[0]->len == 0)
@@ -586,7 +586,7 @@ rl_sentinel_discover(RlFailure *failure)
  * Returns the connection a call on key goes to (not necessarily open yet:
  * rl_command opens it), or NULL with failure filled in when it cannot be
  * known: no node answered for the slot map, no sentinel named the master,
- * no node serves the slot.
+ * no node serves the hash slot.
  */
 RlConn *
 rl_route(const char *key, size_t keylen, RlFailure *failure)
@@ -634,7 +634,7 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 		}
 		else
 		{
-			int			slot = rl_key_slot(key, keylen);
+			int			slot = rl_key_hash_slot(key, keylen);
 
 			if (slot_node[slot] != 0)
 				conn = nodes[slot_node[slot] - 1].conn;
@@ -669,19 +669,19 @@ rl_route_known(const char *key, size_t keylen)
 		return rl_conn_current();
 	if (rl_mode == RL_MODE_SENTINEL)
 		return master_conn;
-	if (slot_node == NULL || slot_node[rl_key_slot(key, keylen)] == 0)
+	if (slot_node == NULL || slot_node[rl_key_hash_slot(key, keylen)] == 0)
 		return NULL;
-	return nodes[slot_node[rl_key_slot(key, keylen)] - 1].conn;
+	return nodes[slot_node[rl_key_hash_slot(key, keylen)] - 1].conn;
 }
 
 /*
- * The slot of key in cluster mode, else 0: the keys of one call must share
- * it.
+ * The hash slot of key in cluster mode, else 0: the keys of one call must
+ * share it.
  */
 int
-rl_route_slot(const char *key, size_t keylen)
+rl_route_hash_slot(const char *key, size_t keylen)
 {
-	return rl_mode == RL_MODE_CLUSTER ? rl_key_slot(key, keylen) : 0;
+	return rl_mode == RL_MODE_CLUSTER ? rl_key_hash_slot(key, keylen) : 0;
 }
 
 /*
@@ -752,7 +752,7 @@ rl_pause(long ms)
 }
 
 /*
- * True when the reply of script, called with argv, surely fits a slot of
+ * True when the reply of script, called with argv, surely fits an entry of
  * the shared queue (RL_SHARED_REPLY_MAX bytes), which the worker can only
  * learn once the call has run: the scripts of one decision, of a
  * concurrency slot and of a denial count, and the several-limits script of
