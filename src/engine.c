@@ -8,8 +8,8 @@
  * turns the reply into an rl_result (or a boolean). When Redis cannot give
  * an answer, rl_redis.on_error decides: raise the error, or log a warning
  * and allow or deny. The SQL functions (functions.c, policy.c,
- * concurrency.c, guard.c) call it; it calls only refund.c, scripts.c and
- * transport.c.
+ * concurrency.c, guard.c) call it; it calls only the files listed above it
+ * in rl_redis.h.
  */
 #include "postgres.h"
 

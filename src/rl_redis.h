@@ -12,21 +12,45 @@
  * src/denycache.c    the local cache of denials (rl_redis.deny_cache)
  * src/breaker.c      the circuit breaker of one connection
  * src/tls.c          TLS of one connection (OpenSSL, never waits itself)
- * src/transport.c    the per-backend cache of connections (RlConn, by
- *                    server address), their socket I/O and set-up (resolve,
- *                    open, TLS, handshake) and transaction-end queues
+ *
+ * The transport: the connections to Redis. RlConn is opaque outside these
+ * files; all but shared_queue.c (which needs no more) include
+ * src/conn_internal.h, where struct RlConn is:
+ * src/resp.c         the Redis protocol: a command encoded (RESP), and what
+ *                    an error reply means (rl_classify_error, one table;
+ *                    the target of MOVED and ASK)
+ * src/queue.c        the transaction-end queue of one connection: what
+ *                    waits, was written, is confirmed or dropped (no I/O)
+ * src/conn.c         the per-backend cache of connections (RlConn, by
+ *                    server address and kind), their settings and accessors
+ * src/shared_queue.c the entries in shared memory between the sessions and
+ *                    the worker (rl_redis.transport = shared)
+ * src/io.c           a connection's waits (latch and socket), socket and
+ *                    TLS reads and writes, a reply parsed
+ * src/connect.c      opening a connection: resolve, open, TLS, handshake
+ * src/idle.c         closing idle connections (rl_redis.idle_timeout, the
+ *                    worker's idle timeout)
+ * src/xact_queue.c   sending the queues at a transaction end, before the
+ *                    next command and at exit; Cluster redirections of
+ *                    queued work; the hand-over to the worker
+ * src/command.c      a command or a pipeline on one connection (after the
+ *                    work its transaction ends left), ASKING, a Redis error
+ *                    reply as a failure
+ *
  * src/scripts.c      the algorithms and the Lua script registry (EVALSHA,
  *                    reload on NOSCRIPT), the scripts' shared arguments
  * src/router.c       where a key goes by rl_redis.mode: the one server, the
- *                    master of its Redis Cluster slot (MOVED, ASK,
+ *                    master of its Redis Cluster hash slot (MOVED, ASK,
  *                    TRYAGAIN), or the master the sentinels name; batches
  *                    of calls pipelined per node
+ * src/worker.c       the rl_redis worker: sends the calls and the
+ *                    transaction-end work of the shared queue's entries
  * src/refund.c       giving back what an aborted (sub)transaction took
  * src/denials.c      who is being throttled: denials per identity and
  *                    minute in Redis (rl_redis.track_denials), rl_top_denied
  * src/engine.c       the decision engine: arguments, keys, script call,
  *                    reply, rl_result, on_error; a several-keys call is
- *                    split per cluster slot; batch decisions
+ *                    split per cluster hash slot; batch decisions
  * src/policy.c       named policies (rl_policy) and several limits at once
  * src/concurrency.c  concurrency limits (slots held by a transaction)
  * src/guard.c        trigger functions that rate-limit writes
@@ -228,7 +252,7 @@ extern ssize_t rl_tls_read(RlTls *tls, char *buf, size_t len, uint32 *want,
 extern bool rl_tls_alive(RlTls *tls);
 extern void rl_tls_free(RlTls *tls);
 
-/* connections and the transaction-end queue (transport.c) */
+/* connections and the transaction-end queue (conn.c, command.c, xact_queue.c) */
 typedef struct RlConn RlConn;
 
 /* What a connection is to: what its set-up sends and checks. */

@@ -18,7 +18,7 @@
  *
  * sentinel: the sentinels (rl_redis.nodes, else host:port) are asked in
  * order for the address of rl_redis.sentinel_master; the connection to it
- * checks with ROLE that it is the master before any command (transport.c).
+ * checks with ROLE that it is the master before any command (connect.c).
  * A READONLY reply, a failed connection or a ROLE that is not master makes
  * the next call ask the sentinels again, and so does a call more than
  * rl_redis.sentinel_recheck_interval after they were last asked: after a
