@@ -766,6 +766,28 @@ def test_nodes_accepted(pg, value):
 # ----------------------------------- 10. TRYAGAIN of a queued refund
 
 
+QUEUED_CHECK = "SELECT (r).allowed, (r).remaining FROM rl_check(%s, %s, %s) AS r"
+
+
+def roll_back_two_charges(session, policies, node):
+    """A session in cluster mode seeded by the fake node (refund_on_abort
+    all) charges two fixed-window policies for one identity in a
+    transaction (both allowed) and rolls it back, which queues one refund
+    call with both keys. Returns the session, the notices it gets and the
+    first policy."""
+    p1, p2 = policies("fixed", 5, 60000), policies("fixed", 5, 60000)
+    conn = session(mode="cluster", nodes=node.addr, refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS,
+                   on_error="error", command_timeout=2000)
+    notices = []
+    conn.add_notice_handler(lambda d: notices.append("%s: %s" % (d.severity, d.message_primary)))
+    identity = new_ident("queued_fake")
+    conn.execute("BEGIN")
+    assert conn.execute(QUEUED_CHECK, (p1, identity, 2)).fetchone() == (True, 4)
+    assert conn.execute(QUEUED_CHECK, (p2, identity, 3)).fetchone() == (True, 4)
+    conn.execute("ROLLBACK")
+    return conn, notices, p1
+
+
 # The error replies that say Redis did not run a command, as a node that
 # moves a slot, fails over, restarts or is a replica now gives them; the
 # last is how Redis 6 and older report a script that wrote on a replica.
@@ -800,21 +822,11 @@ def test_queued_refund_told_tryagain_is_sent_again_intact(session, policies, fak
         return decision(1, 5, 4)
 
     node = fakes(cluster_handler(lambda s: slots_reply([(0, 16383, "127.0.0.1", s.port)]), script))
-    p1, p2 = policies("fixed", 5, 60000), policies("fixed", 5, 60000)
-    conn = session(mode="cluster", nodes=node.addr, refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS,
-                   on_error="error", command_timeout=2000)
-    notices = []
-    conn.add_notice_handler(lambda d: notices.append("%s: %s" % (d.severity, d.message_primary)))
-    check = "SELECT (r).allowed, (r).remaining FROM rl_check(%s, %s, %s) AS r"
-    identity = new_ident("tryagain_fake")
-    conn.execute("BEGIN")
-    assert conn.execute(check, (p1, identity, 2)).fetchone() == (True, 4)
-    assert conn.execute(check, (p2, identity, 3)).fetchone() == (True, 4)
-    conn.execute("ROLLBACK")
+    conn, notices, p1 = roll_back_two_charges(session, policies, node)
     assert len(evals) == 1, "the rollback sent %d refund calls" % len(evals)
     first = node.commands.index(evals[0])
     assert evals[0][2] == "2"  # one call, both keys
-    value, elapsed = timed(conn, check, (p1, new_ident("tryagain_fake_next"), 1))
+    value, elapsed = timed(conn, QUEUED_CHECK, (p1, new_ident("tryagain_fake_next"), 1))
     after = node.raw_commands[first + 1:]
     assert value is True and elapsed < 1.5, \
         "the next call: %r after %.2f s; bytes the node got after the refund: %r" % (
@@ -850,19 +862,9 @@ def test_queued_refund_redirected_goes_to_the_node_named(session, policies, fake
         return decision(1, 5, 4)
 
     a = fakes(cluster_handler(lambda s: slots_reply([(0, 16383, "127.0.0.1", s.port)]), on_a))
-    p1, p2 = policies("fixed", 5, 60000), policies("fixed", 5, 60000)
-    conn = session(mode="cluster", nodes=a.addr, refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS,
-                   on_error="error", command_timeout=2000)
-    notices = []
-    conn.add_notice_handler(lambda d: notices.append("%s: %s" % (d.severity, d.message_primary)))
-    check = "SELECT (r).allowed, (r).remaining FROM rl_check(%s, %s, %s) AS r"
-    identity = new_ident("redirect_fake")
-    conn.execute("BEGIN")
-    assert conn.execute(check, (p1, identity, 2)).fetchone() == (True, 4)
-    assert conn.execute(check, (p2, identity, 3)).fetchone() == (True, 4)
-    conn.execute("ROLLBACK")
+    conn, notices, p1 = roll_back_two_charges(session, policies, a)
     assert len(a_evals) == 1, "the rollback sent %d refund calls to A" % len(a_evals)
-    value, elapsed = timed(conn, check, (p1, new_ident("redirect_fake_next"), 1))
+    value, elapsed = timed(conn, QUEUED_CHECK, (p1, new_ident("redirect_fake_next"), 1))
     assert value is True and elapsed < 1.5, (value, elapsed)
     assert len(a_evals) == 1 and len(b_evals) == 1, (len(a_evals), len(b_evals), b.commands)
     at_b = b.commands.index(b_evals[0])
