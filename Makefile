@@ -7,10 +7,18 @@ OBJS = \
 	src/guc.o \
 	src/stats.o \
 	src/denycache.o \
-	src/transport.o \
+	src/failure.o \
 	src/breaker.o \
-	src/shared_queue.o \
 	src/tls.o \
+	src/resp.o \
+	src/queue.o \
+	src/conn.o \
+	src/shared_queue.o \
+	src/io.o \
+	src/connect.o \
+	src/idle.o \
+	src/xact_queue.o \
+	src/command.o \
 	src/scripts.o \
 	src/router.o \
 	src/refund.o \
@@ -49,6 +57,7 @@ src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh src/algorithms.h
 
 src/scripts.o src/scripts.bc: src/lua_scripts.h
 $(OBJS): src/rl_redis.h src/compat.h src/algorithms.h
+src/resp.o src/queue.o src/conn.o src/io.o src/connect.o src/idle.o src/xact_queue.o src/command.o: src/conn_internal.h
 
 .PHONY: test test-matrix demo bench
 test:

@@ -23,9 +23,11 @@ a469871 "Cluster/Sentinel review fixes"). One or more tests per finding:
   8. standalone mode: assigning rl_redis.nodes / sentinel_master /
      sentinel_password (unused there) inside a transaction keeps its refunds
   9. rl_redis.nodes parsing (IPv6 without brackets, blanks, stray ']')
- 10. a transaction-end refund that gets TRYAGAIN is sent again intact with
-     the session's next call (a fake node, byte for byte), and with a real
-     half-migrated slot arrives once the migration is over
+ 10. a transaction-end refund that gets TRYAGAIN (or CLUSTERDOWN, LOADING,
+     MASTERDOWN, READONLY) is sent again intact with the session's next
+     call (a fake node, byte for byte), and with a real half-migrated slot
+     arrives once the migration is over; one that gets MOVED or ASK reaches
+     the node named (after ASKING for ASK)
 
 Fake servers (FakeServer: a Python RESP server answering what the test
 scripts, or nothing at all) stand in for lying cluster nodes, sentinels and
@@ -764,38 +766,67 @@ def test_nodes_accepted(pg, value):
 # ----------------------------------- 10. TRYAGAIN of a queued refund
 
 
-def test_queued_refund_told_tryagain_is_sent_again_intact(session, policies, fakes):
+QUEUED_CHECK = "SELECT (r).allowed, (r).remaining FROM rl_check(%s, %s, %s) AS r"
+
+
+def roll_back_two_charges(session, policies, node):
+    """A session in cluster mode seeded by the fake node (refund_on_abort
+    all) charges two fixed-window policies for one identity in a
+    transaction (both allowed) and rolls it back, which queues one refund
+    call with both keys. Returns the session, the notices it gets and the
+    first policy."""
+    p1, p2 = policies("fixed", 5, 60000), policies("fixed", 5, 60000)
+    conn = session(mode="cluster", nodes=node.addr, refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS,
+                   on_error="error", command_timeout=2000)
+    notices = []
+    conn.add_notice_handler(lambda d: notices.append("%s: %s" % (d.severity, d.message_primary)))
+    identity = new_ident("queued_fake")
+    conn.execute("BEGIN")
+    assert conn.execute(QUEUED_CHECK, (p1, identity, 2)).fetchone() == (True, 4)
+    assert conn.execute(QUEUED_CHECK, (p2, identity, 3)).fetchone() == (True, 4)
+    conn.execute("ROLLBACK")
+    return conn, notices, p1
+
+
+# The error replies that say Redis did not run a command, as a node that
+# moves a slot, fails over, restarts or is a replica now gives them; the
+# last is how Redis 6 and older report a script that wrote on a replica.
+NOT_RUN_ERRORS = [
+    "TRYAGAIN Multiple keys request during rehashing of slot",
+    "CLUSTERDOWN The cluster is down",
+    "LOADING Redis is loading the dataset in memory",
+    "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    "READONLY You can't write against a read only replica.",
+    "ERR Error running script (call to f_0123): @user_script:1: @user_script: 1: "
+    "-READONLY You can't write against a read only replica.",
+]
+
+
+@pytest.mark.parametrize("error", NOT_RUN_ERRORS, ids=lambda e: e.split()[0] if e[0] != "E" else "wrapped-READONLY")
+def test_queued_refund_told_tryagain_is_sent_again_intact(session, policies, fakes, error):
     """A fake cluster node that serves every slot, decides every script call
     'allowed' and answers the first transaction-end refund (EVAL of the
-    refund script) with TRYAGAIN: the refund waits in the queue and goes,
-    byte for byte the same, with the session's next call, which is decided
-    normally (its reply is its own), with no warning."""
+    refund script) with an error that says it was not run (TRYAGAIN,
+    CLUSTERDOWN, LOADING, MASTERDOWN, READONLY, also inside a script's
+    error): the refund waits in the queue and goes, byte for byte the same,
+    with the session's next call, which is decided normally (its reply is
+    its own), with no warning."""
     evals = []
 
     def script(server, args):
         if args[0].upper() == "EVAL":
             evals.append(args)
             if len(evals) == 1:
-                return r_err("TRYAGAIN Multiple keys request during rehashing of slot")
+                return r_err(error)
             return r_int(int(args[2]))  # the refund script returns #KEYS
         return decision(1, 5, 4)
 
     node = fakes(cluster_handler(lambda s: slots_reply([(0, 16383, "127.0.0.1", s.port)]), script))
-    p1, p2 = policies("fixed", 5, 60000), policies("fixed", 5, 60000)
-    conn = session(mode="cluster", nodes=node.addr, refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS,
-                   on_error="error", command_timeout=2000)
-    notices = []
-    conn.add_notice_handler(lambda d: notices.append("%s: %s" % (d.severity, d.message_primary)))
-    check = "SELECT (r).allowed, (r).remaining FROM rl_check(%s, %s, %s) AS r"
-    identity = new_ident("tryagain_fake")
-    conn.execute("BEGIN")
-    assert conn.execute(check, (p1, identity, 2)).fetchone() == (True, 4)
-    assert conn.execute(check, (p2, identity, 3)).fetchone() == (True, 4)
-    conn.execute("ROLLBACK")
+    conn, notices, p1 = roll_back_two_charges(session, policies, node)
     assert len(evals) == 1, "the rollback sent %d refund calls" % len(evals)
     first = node.commands.index(evals[0])
     assert evals[0][2] == "2"  # one call, both keys
-    value, elapsed = timed(conn, check, (p1, new_ident("tryagain_fake_next"), 1))
+    value, elapsed = timed(conn, QUEUED_CHECK, (p1, new_ident("tryagain_fake_next"), 1))
     after = node.raw_commands[first + 1:]
     assert value is True and elapsed < 1.5, \
         "the next call: %r after %.2f s; bytes the node got after the refund: %r" % (
@@ -803,6 +834,43 @@ def test_queued_refund_told_tryagain_is_sent_again_intact(session, policies, fak
     assert len(evals) == 2, "the refund was not sent again intact; bytes after the first: %r" % (
         [c[:60] for c in after][:6],)
     assert node.raw_commands[node.commands.index(evals[1], first + 1)] == node.raw_commands[first]
+    assert notices == [], notices
+
+
+@pytest.mark.parametrize("word", ["MOVED", "ASK"])
+def test_queued_refund_redirected_goes_to_the_node_named(session, policies, fakes, word):
+    """A fake cluster node A that serves every slot answers the first
+    transaction-end refund with a redirection (MOVED or ASK) to another
+    fake node B: the refund moves to B's queue and reaches B, byte for byte
+    the same, by the session's next call at the latest (after ASKING for
+    ASK, never after MOVED); A gets it once, the next call is decided
+    normally on A, and there is no warning."""
+    a_evals, b_evals = [], []
+
+    def on_b(server, args):
+        if args[0].upper() == "EVAL":
+            b_evals.append(args)
+            return r_int(int(args[2]))  # the refund script returns #KEYS
+        return decision(1, 5, 4)
+
+    b = fakes(cluster_handler(lambda s: slots_reply([(0, 16383, "127.0.0.1", a.port)]), on_b))
+
+    def on_a(server, args):
+        if args[0].upper() == "EVAL":
+            a_evals.append(args)
+            return r_err("%s %d 127.0.0.1:%d" % (word, key_slot(args[3]), b.port))
+        return decision(1, 5, 4)
+
+    a = fakes(cluster_handler(lambda s: slots_reply([(0, 16383, "127.0.0.1", s.port)]), on_a))
+    conn, notices, p1 = roll_back_two_charges(session, policies, a)
+    assert len(a_evals) == 1, "the rollback sent %d refund calls to A" % len(a_evals)
+    value, elapsed = timed(conn, QUEUED_CHECK, (p1, new_ident("redirect_fake_next"), 1))
+    assert value is True and elapsed < 1.5, (value, elapsed)
+    assert len(a_evals) == 1 and len(b_evals) == 1, (len(a_evals), len(b_evals), b.commands)
+    at_b = b.commands.index(b_evals[0])
+    assert b.raw_commands[at_b] == a.raw_commands[a.commands.index(a_evals[0])]
+    assert (b.commands[at_b - 1] == ["ASKING"]) == (word == "ASK"), b.commands
+    assert b.count("ASKING") == (1 if word == "ASK" else 0), b.commands
     assert notices == [], notices
 
 

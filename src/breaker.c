@@ -10,62 +10,12 @@
  * the interval tries again. An outage is reported once: the failure that
  * starts it is marked first_in_outage (the caller warns only for that one),
  * and the first success after it is logged.
- *
- * Every failure is filled in here (rl_fail), whoever finds it.
  */
 #include "postgres.h"
 
 #include "utils/timestamp.h"
 
 #include "rl_redis.h"
-
-/*
- * Fills in failure: its kind, SQLSTATE (0: nothing was tried, message says
- * why), the advice for its HINT, detail (what Redis, the system or OpenSSL
- * said; NULL for none) and the primary message, from fmt. Does no I/O and
- * never raises.
- */
-void
-rl_fail(RlFailure *failure, RlFailureKind kind, int sqlerrcode, RlHint hint,
-		const char *detail, const char *fmt,...)
-{
-	va_list		ap;
-
-	va_start(ap, fmt);
-	rl_vfail(failure, kind, sqlerrcode, hint, detail, fmt, ap);
-	va_end(ap);
-}
-
-/* rl_fail with a va_list. */
-void
-rl_vfail(RlFailure *failure, RlFailureKind kind, int sqlerrcode, RlHint hint,
-		 const char *detail, const char *fmt, va_list ap)
-{
-	failure->kind = kind;
-	failure->sqlerrcode = sqlerrcode;
-	failure->first_in_outage = true;
-	failure->breaker_opened = false;
-	failure->held_back = false;
-	failure->hint = hint;
-	vsnprintf(failure->message, sizeof(failure->message), fmt, ap);
-	strlcpy(failure->detail, detail != NULL ? detail : "",
-			sizeof(failure->detail));
-}
-
-/*
- * Writes failure's message and detail on one line into buf (size bytes),
- * for rl_redis_connections and for reports that have a detail of their own;
- * returns buf.
- */
-const char *
-rl_failure_text(const RlFailure *failure, char *buf, size_t size)
-{
-	if (failure->detail[0] != '\0')
-		snprintf(buf, size, "%s: %s", failure->message, failure->detail);
-	else
-		strlcpy(buf, failure->message, size);
-	return buf;
-}
 
 /*
  * True when the breaker is open: the call must not touch the network, and

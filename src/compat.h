@@ -8,7 +8,7 @@
  *     postgres.h to varatt.h.
  * 17: CreateWaitEventSet() takes the ResourceOwner that tracks the set
  *     instead of a memory context; NULL means "no owner, freed by hand",
- *     which is what the 15/16 sets in TopMemoryContext were (transport.c
+ *     which is what the 15/16 sets in TopMemoryContext were (conn.c
  *     frees its set with FreeWaitEventSet when the connection closes).
  *     PGPROC lost pgprocno: a backend's number in the proc array is
  *     MyProcNumber (storage/procnumber.h, through storage/proc.h).

@@ -8,8 +8,8 @@
  * turns the reply into an rl_result (or a boolean). When Redis cannot give
  * an answer, rl_redis.on_error decides: raise the error, or log a warning
  * and allow or deny. The SQL functions (functions.c, policy.c,
- * concurrency.c, guard.c) call it; it calls only refund.c, scripts.c and
- * transport.c.
+ * concurrency.c, guard.c) call it; it calls only the files listed above it
+ * in rl_redis.h.
  */
 #include "postgres.h"
 
@@ -33,9 +33,6 @@ static StringInfoData keybuf;
 
 /* what a fail-closed decision tells the caller to wait */
 #define RL_DENY_RETRY_MS 1000
-
-/* the most bytes of a key the CONTEXT of a report shows */
-#define RL_CONTEXT_KEY_BYTES 100
 
 /* Raises 22004 when argument argno is NULL. */
 void
@@ -397,111 +394,6 @@ rl_key_of(const char *key, size_t len, StringInfo tag)
 
 	return rl_parse_key(key, len, &parts) && parts.taglen == (size_t) tag->len &&
 		memcmp(parts.tag, tag->data, tag->len) == 0;
-}
-
-/* errhint() with the advice of a failure, or 0 when it has none. */
-int
-rl_failure_hint(const RlFailure *failure)
-{
-	switch (failure->hint)
-	{
-		case RL_HINT_PRELOAD:
-			return errhint("Add rl_redis to shared_preload_libraries.");
-		case RL_HINT_PRELOAD_OR_FILE:
-			return errhint("Add rl_redis to shared_preload_libraries, or use rl_redis.password_file (without preloading, every role can read its path, not the password).");
-		case RL_HINT_SERVER:
-			return errhint("Check rl_redis.host and rl_redis.port (rl_redis.nodes in cluster and sentinel mode); while Redis cannot be reached, rl_redis.on_error decides.");
-		case RL_HINT_PASSWORD:
-			return errhint("Set rl_redis.password or rl_redis.password_file to the password Redis expects.");
-		case RL_HINT_SENTINEL_PASSWORD:
-			return errhint("Set rl_redis.sentinel_password to the password the sentinels expect.");
-		case RL_HINT_CONNECT_TIMEOUT:
-			return errhint("Check that Redis is reachable, or raise rl_redis.connect_timeout.");
-		case RL_HINT_COMMAND_TIMEOUT:
-			return errhint("Check that Redis is not overloaded or stopped, or raise rl_redis.command_timeout.");
-		default:
-			return 0;
-	}
-}
-
-/*
- * Reports failure at elevel (ERROR raises): its SQLSTATE, message, hint,
- * and as detail what Redis or the system said, that the breaker held the
- * call back, and outcome (a sentence, or NULL). The CONTEXT is the call's
- * (rl_context_push).
- */
-void
-rl_report(int elevel, const RlFailure *failure, const char *outcome)
-{
-	StringInfoData detail;
-
-	initStringInfo(&detail);
-	appendStringInfoString(&detail, failure->detail);
-	if (failure->held_back)
-		appendStringInfo(&detail, "%sRedis is not retried for rl_redis.retry_interval after a failure.",
-						 detail.len > 0 ? "\n" : "");
-	if (outcome != NULL)
-		appendStringInfo(&detail, "%s%s", detail.len > 0 ? "\n" : "", outcome);
-	ereport(elevel,
-			(errcode(failure->sqlerrcode),
-			 errmsg_internal("%s", failure->message),
-			 detail.len > 0 ? errdetail_internal("%s", detail.data) : 0,
-			 rl_failure_hint(failure)));
-	pfree(detail.data);
-}
-
-/* Raises a failure as an error. */
-void
-rl_raise(const RlFailure *failure)
-{
-	rl_report(ERROR, failure, NULL);
-}
-
-/* Adds the CONTEXT of a Redis call (arg: its RlCallContext) to a report. */
-static void
-rl_context_callback(void *arg)
-{
-	RlCallContext *ctx = (RlCallContext *) arg;
-	int			shown = pg_mbcliplen(ctx->key, (int) ctx->keylen,
-									 RL_CONTEXT_KEY_BYTES);
-	const char *more = (size_t) shown < ctx->keylen ? "..." : "";
-
-	if (ctx->others > 0)
-		errcontext("rl_redis %s on %d keys, the first \"%.*s%s\"",
-				   ctx->what, ctx->others + 1, shown, ctx->key, more);
-	else if (ctx->name != NULL)
-		errcontext("rl_redis %s \"%s\" on key \"%.*s%s\"",
-				   ctx->what, ctx->name, shown, ctx->key, more);
-	else
-		errcontext("rl_redis %s on key \"%.*s%s\"",
-				   ctx->what, shown, ctx->key, more);
-}
-
-/*
- * Makes ctx the CONTEXT of the errors and warnings reported until
- * rl_context_pop: a call (what: "decision", "refund" ...) of the algorithm
- * name (or NULL) on key and others more keys.
- */
-void
-rl_context_push(RlCallContext *ctx, const char *what, const char *name,
-				const char *key, size_t keylen, int others)
-{
-	ctx->what = what;
-	ctx->name = name;
-	ctx->key = key;
-	ctx->keylen = keylen;
-	ctx->others = others;
-	ctx->callback.callback = rl_context_callback;
-	ctx->callback.arg = ctx;
-	ctx->callback.previous = error_context_stack;
-	error_context_stack = &ctx->callback;
-}
-
-/* Ends what rl_context_push began. */
-void
-rl_context_pop(RlCallContext *ctx)
-{
-	error_context_stack = ctx->callback.previous;
 }
 
 /*
@@ -892,8 +784,8 @@ rl_decide_charges(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	for (j = 0; j < n; j++)
 		charges[j].failed = false;
 	for (j = 1; j < n; j++)
-		if (rl_route_slot(charges[j].key->data, charges[j].key->len) !=
-			rl_route_slot(charges[0].key->data, charges[0].key->len))
+		if (rl_route_hash_slot(charges[j].key->data, charges[j].key->len) !=
+			rl_route_hash_slot(charges[0].key->data, charges[0].key->len))
 			break;
 	if (j >= n)
 	{
@@ -921,7 +813,7 @@ rl_decide_charges(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	sp.order = palloc(sizeof(RlSlotCharge) * n);
 	for (j = 0; j < n; j++)
 	{
-		sp.order[j].slot = rl_route_slot(charges[j].key->data, charges[j].key->len);
+		sp.order[j].slot = rl_route_hash_slot(charges[j].key->data, charges[j].key->len);
 		sp.order[j].index = j;
 	}
 	qsort(sp.order, n, sizeof(RlSlotCharge), rl_slot_charge_cmp);
@@ -1451,7 +1343,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		{
 			StringInfo	key = rl_build_key(identities[i], policy, limit);
 
-			b.keys[i].slot = rl_route_slot(key->data, key->len);
+			b.keys[i].slot = rl_route_hash_slot(key->data, key->len);
 		}
 	}
 	if (rl_mode == RL_MODE_CLUSTER)

@@ -511,7 +511,7 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 	while ((p = hash_seq_search(&seq)) != NULL)
 		if (rl_scope_wants(p, refund, idempotent))
 		{
-			slotted[n].slot = rl_route_slot(p->key.data, p->key.len);
+			slotted[n].slot = rl_route_hash_slot(p->key.data, p->key.len);
 			slotted[n++].p = p;
 		}
 	initStringInfo(&parents);
@@ -593,7 +593,7 @@ rl_refund_call_end(const char *id, RlCharge *charges, int n, bool give_back)
 			if (entries[j].units > 0 &&
 				rl_scope_wants(&entries[j], give_back, pass == 0))
 			{
-				slotted[count].slot = rl_route_slot(entries[j].key.data,
+				slotted[count].slot = rl_route_hash_slot(entries[j].key.data,
 													entries[j].key.len);
 				slotted[count++].p = &entries[j];
 			}

@@ -10,24 +10,49 @@
  * src/stats.c        counters of the decisions per database and policy
  *                    (shared memory when preloaded) and their SQL functions
  * src/denycache.c    the local cache of denials (rl_redis.deny_cache)
- * src/breaker.c      what a failed call reports (rl_fail), and the circuit
- *                    breaker of one connection
+ * src/failure.c      what a failed call reports: one filler (rl_fail), one
+ *                    report (rl_report: DETAIL, HINT, the call's CONTEXT)
+ * src/breaker.c      the circuit breaker of one connection
  * src/tls.c          TLS of one connection (OpenSSL, never waits itself)
- * src/transport.c    the per-backend cache of connections (RlConn, by
- *                    server address), their socket I/O and set-up (resolve,
- *                    open, TLS, handshake) and transaction-end queues
+ *
+ * The transport: the connections to Redis. RlConn is opaque outside these
+ * files; all but shared_queue.c (which needs no more) include
+ * src/conn_internal.h, where struct RlConn is:
+ * src/resp.c         the Redis protocol: a command encoded (RESP), and what
+ *                    an error reply means (rl_classify_error, one table;
+ *                    the target of MOVED and ASK)
+ * src/queue.c        the transaction-end queue of one connection: what
+ *                    waits, was written, is confirmed or dropped (no I/O)
+ * src/conn.c         the per-backend cache of connections (RlConn, by
+ *                    server address and kind), their settings and accessors
+ * src/shared_queue.c the entries in shared memory between the sessions and
+ *                    the worker (rl_redis.transport = shared)
+ * src/io.c           a connection's waits (latch and socket), socket and
+ *                    TLS reads and writes, a reply parsed
+ * src/connect.c      opening a connection: resolve, open, TLS, handshake
+ * src/idle.c         closing idle connections (rl_redis.idle_timeout, the
+ *                    worker's idle timeout)
+ * src/xact_queue.c   sending the queues at a transaction end, before the
+ *                    next command and at exit; Cluster redirections of
+ *                    queued work; the hand-over to the worker
+ * src/command.c      a command or a pipeline on one connection (after the
+ *                    work its transaction ends left), ASKING, a Redis error
+ *                    reply as a failure
+ *
  * src/scripts.c      the algorithms and the Lua script registry (EVALSHA,
  *                    reload on NOSCRIPT), the scripts' shared arguments
  * src/router.c       where a key goes by rl_redis.mode: the one server, the
- *                    master of its Redis Cluster slot (MOVED, ASK,
+ *                    master of its Redis Cluster hash slot (MOVED, ASK,
  *                    TRYAGAIN), or the master the sentinels name; batches
  *                    of calls pipelined per node
+ * src/worker.c       the rl_redis worker: sends the calls and the
+ *                    transaction-end work of the shared queue's entries
  * src/refund.c       giving back what an aborted (sub)transaction took
  * src/denials.c      who is being throttled: denials per identity and
  *                    minute in Redis (rl_redis.track_denials), rl_top_denied
  * src/engine.c       the decision engine: arguments, keys, script call,
  *                    reply, rl_result, on_error; a several-keys call is
- *                    split per cluster slot; batch decisions
+ *                    split per cluster hash slot; batch decisions
  * src/policy.c       named policies (rl_policy) and several limits at once
  * src/concurrency.c  concurrency limits (slots held by a transaction)
  * src/guard.c        trigger functions that rate-limit writes
@@ -163,6 +188,9 @@ extern bool rl_connection_settings_changed;
 /* the most host:port items rl_redis.nodes may name */
 #define RL_MAX_SEEDS 64
 
+/* the number of hash slots of Redis Cluster */
+#define RL_HASH_SLOTS 16384
+
 /* advice for the HINT of a failure (rl_failure_hint); 0: none */
 typedef enum RlHint
 {
@@ -215,6 +243,7 @@ typedef struct RlFailure
 	char		detail[512];
 } RlFailure;
 
+/* what a failed call reports (failure.c) */
 extern void rl_fail(RlFailure *failure, RlFailureKind kind, int sqlerrcode,
 					RlHint hint, const char *detail, const char *fmt,...)
 			pg_attribute_printf(6, 7);
@@ -223,6 +252,30 @@ extern void rl_vfail(RlFailure *failure, RlFailureKind kind, int sqlerrcode,
 					 va_list ap) pg_attribute_printf(6, 0);
 extern const char *rl_failure_text(const RlFailure *failure, char *buf,
 								   size_t size);
+
+extern int	rl_failure_hint(const RlFailure *failure);
+extern void rl_report(int elevel, const RlFailure *failure,
+					  const char *outcome);
+extern void rl_raise(const RlFailure *failure);
+
+/*
+ * Which Redis call errors and warnings are about, for their CONTEXT: set
+ * up by rl_context_push around the call and its report.
+ */
+typedef struct RlCallContext
+{
+	const char *what;			/* "decision", "refund", ... */
+	const char *name;			/* the algorithm, or NULL */
+	const char *key;			/* the call's (first) key */
+	size_t		keylen;
+	int			others;			/* how many more keys the call has */
+	ErrorContextCallback callback;
+} RlCallContext;
+
+extern void rl_context_push(RlCallContext *ctx, const char *what,
+							const char *name, const char *key, size_t keylen,
+							int others);
+extern void rl_context_pop(RlCallContext *ctx);
 
 /* the circuit breaker of one connection (breaker.c) */
 typedef struct RlBreaker
@@ -258,7 +311,7 @@ extern ssize_t rl_tls_read(RlTls *tls, char *buf, size_t len, uint32 *want,
 extern bool rl_tls_alive(RlTls *tls);
 extern void rl_tls_free(RlTls *tls);
 
-/* connections and the transaction-end queue (transport.c) */
+/* connections and the transaction-end queue (conn.c, command.c, xact_queue.c) */
 typedef struct RlConn RlConn;
 
 /* What a connection is to: what its set-up sends and checks. */
@@ -298,6 +351,7 @@ extern const char *rl_conn_host(RlConn *conn);
 extern RlConn *rl_conn_current(void);
 extern const char *rl_conn_name(RlConn *conn);
 extern void rl_conn_reset_breaker(RlConn *conn);
+extern bool rl_asking(RlConn *conn, redisReply **reply, RlFailure *failure);
 extern redisReply *rl_command(RlConn *conn, int argc, const char **argv,
 							  const size_t *argvlen, RlFailure *failure);
 /* One command of a pipeline: its arguments. */
@@ -346,6 +400,41 @@ typedef struct RlDeferred
 extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
 								 const char *body);
 extern void rl_close_idle(void);
+
+/* the Redis protocol (resp.c) */
+
+/*
+ * What an error reply of Redis says (rl_classify_error): every class but
+ * RL_REPLY_OTHER and RL_REPLY_AUTH says that Redis did not run the command
+ * (rl_error_not_run).
+ */
+typedef enum RlReplyError
+{
+	RL_REPLY_OTHER,				/* refused for a reason of its own (OOM,
+								 * WRONGTYPE, NOPERM ...), or run and failed */
+	RL_REPLY_NOSCRIPT,			/* the script is not loaded there */
+	RL_REPLY_MOVED,				/* the hash slot is another node's now */
+	RL_REPLY_ASK,				/* the key is moving to another node: ask it
+								 * once, after ASKING */
+	RL_REPLY_TRYAGAIN,			/* keys of a hash slot on the move: later */
+	RL_REPLY_CLUSTERDOWN,		/* the cluster cannot serve: later, with a
+								 * fresh slot map */
+	RL_REPLY_READONLY,			/* a replica now: find the master */
+	RL_REPLY_NOT_READY,			/* LOADING, MASTERDOWN: later */
+	RL_REPLY_AUTH				/* not authenticated (NOAUTH, WRONGPASS ...) */
+} RlReplyError;
+
+/* Where a MOVED or ASK reply sends a command. */
+typedef struct RlRedirect
+{
+	int			hash_slot;
+	char		host[RL_ADDRESS_LEN];
+	int			port;
+} RlRedirect;
+
+extern RlReplyError rl_classify_error(const char *error, const char *from_host,
+									  RlRedirect *to);
+extern bool rl_error_not_run(RlReplyError what);
 
 /* scripts and algorithms (scripts.c) */
 typedef struct RlScript
@@ -403,11 +492,10 @@ extern redisReply *rl_run_script_asking(RlConn *conn, const RlScript *script,
 extern size_t rl_clock_arg(char *buf);
 
 /* where a key goes, by rl_redis.mode (router.c) */
-extern int	rl_key_slot(const char *key, size_t len);
+extern int	rl_key_hash_slot(const char *key, size_t len);
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
 extern RlConn *rl_route_known(const char *key, size_t keylen);
-extern int	rl_route_slot(const char *key, size_t keylen);
-extern bool rl_error_not_run(const char *error);
+extern int	rl_route_hash_slot(const char *key, size_t keylen);
 extern int	rl_route_all(RlConn ***conns, RlFailure *failure);
 extern redisReply *rl_call(const char *key, size_t keylen,
 						   const RlScript *script, int argc, const char **argv,
@@ -433,10 +521,10 @@ extern void rl_call_many(RlCall *calls, int n);
 
 /* the shared queue of rl_redis.transport = shared (shared_queue.c) */
 
-/* the largest reply a slot of the queue holds (the Redis protocol) */
+/* the largest reply an entry of the queue holds (the Redis protocol) */
 #define RL_SHARED_REPLY_MAX 4096
 
-/* the most bytes of a call's arguments (or of deferred work) a slot holds */
+/* the most bytes of a call's arguments (or of deferred work) an entry holds */
 #define RL_SHARED_REQUEST_MAX 8192
 
 extern void rl_shared_queue_init(void);
@@ -449,7 +537,7 @@ extern bool rl_shared_defer(const RlDeferred *work, uint64 settings);
 extern void rl_shared_worker_start(uint64 settings);
 extern void rl_shared_worker_settings(uint64 settings);
 extern void rl_shared_worker_stop(void);
-extern int	rl_shared_slots(void);
+extern int	rl_shared_entries(void);
 extern void rl_shared_defer_wait(TimestampTz deadline);
 extern bool rl_shared_settled(TimestampTz deadline);
 extern int	rl_shared_take(int i, RlCall *call, int *script_id,
@@ -635,29 +723,6 @@ extern void rl_decide_many(RlCharge *charges, int n, bool by_guard,
 						   int32 lim, int32 cost, RlDecision *d, int *index);
 extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
 							  int32 cost, RlDecision *d);
-extern int	rl_failure_hint(const RlFailure *failure);
-extern void rl_report(int elevel, const RlFailure *failure,
-					  const char *outcome);
-extern void rl_raise(const RlFailure *failure);
-
-/*
- * Which Redis call errors and warnings are about, for their CONTEXT: set
- * up by rl_context_push around the call and its report.
- */
-typedef struct RlCallContext
-{
-	const char *what;			/* "decision", "refund", ... */
-	const char *name;			/* the algorithm, or NULL */
-	const char *key;			/* the call's (first) key */
-	size_t		keylen;
-	int			others;			/* how many more keys the call has */
-	ErrorContextCallback callback;
-} RlCallContext;
-
-extern void rl_context_push(RlCallContext *ctx, const char *what,
-							const char *name, const char *key, size_t keylen,
-							int others);
-extern void rl_context_pop(RlCallContext *ctx);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);

@@ -8,9 +8,9 @@
  *
  * cluster: the slot map (CLUSTER SLOTS) is learnt from the seeds
  * (rl_redis.nodes, else host:port) and the nodes already known, and a key
- * goes to the master of its slot (CRC16 of the key or of its hash tag, as
- * Redis computes it). A MOVED reply updates the slot and asks for a fresh
- * map; an ASK reply sends ASKING and the call to the node named, the map
+ * goes to the master of its hash slot (CRC16 of the key or of its hash tag,
+ * as Redis computes it). A MOVED reply updates the hash slot and asks for
+ * a fresh map; an ASK reply sends ASKING and the call to the node named, the map
  * unchanged; TRYAGAIN and CLUSTERDOWN are retried with a growing pause
  * within rl_redis.command_timeout; a READONLY reply or a connection that
  * failed asks for a fresh map. A fresh map is fetched at most every
@@ -18,7 +18,7 @@
  *
  * sentinel: the sentinels (rl_redis.nodes, else host:port) are asked in
  * order for the address of rl_redis.sentinel_master; the connection to it
- * checks with ROLE that it is the master before any command (transport.c).
+ * checks with ROLE that it is the master before any command (connect.c).
  * A READONLY reply, a failed connection or a ROLE that is not master makes
  * the next call ask the sentinels again, and so does a call more than
  * rl_redis.sentinel_recheck_interval after they were last asked: after a
@@ -40,9 +40,6 @@
 #include "utils/wait_event.h"
 
 #include "rl_redis.h"
-
-/* the number of hash slots of Redis Cluster */
-#define RL_SLOTS 16384
 
 /* the most redirections, or retries, one call follows */
 #define RL_MAX_REDIRECTS 8
@@ -74,7 +71,7 @@ static RlNode *nodes = NULL;
 static int	nnodes = 0;
 static int	maxnodes = 0;
 
-/* slot -> index in nodes + 1 (0: no node known); NULL until first needed */
+/* hash slot -> index in nodes + 1 (0: no node known); NULL until needed */
 static uint16 *slot_node = NULL;
 static bool map_loaded = false;
 static bool map_stale = false;
@@ -122,7 +119,7 @@ rl_crc16(const char *buf, size_t len)
  * whole key.
  */
 int
-rl_key_slot(const char *key, size_t len)
+rl_key_hash_slot(const char *key, size_t len)
 {
 	const char *open = memchr(key, '{', len);
 
@@ -131,9 +128,9 @@ rl_key_slot(const char *key, size_t len)
 		const char *close = memchr(open + 1, '}', key + len - open - 1);
 
 		if (close != NULL && close > open + 1)
-			return rl_crc16(open + 1, close - open - 1) & (RL_SLOTS - 1);
+			return rl_crc16(open + 1, close - open - 1) & (RL_HASH_SLOTS - 1);
 	}
-	return rl_crc16(key, len) & (RL_SLOTS - 1);
+	return rl_crc16(key, len) & (RL_HASH_SLOTS - 1);
 }
 
 /* Forgets the slot map and the master (the servers changed). */
@@ -142,7 +139,7 @@ rl_router_forget(void)
 {
 	nnodes = 0;
 	if (slot_node != NULL)
-		memset(slot_node, 0, sizeof(uint16) * RL_SLOTS);
+		memset(slot_node, 0, sizeof(uint16) * RL_HASH_SLOTS);
 	map_loaded = false;
 	map_stale = false;
 	map_fetched_at = 0;
@@ -291,9 +288,9 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 	int			pass;
 	int			old_nodes = nnodes;
 
-	if (reply->type != REDIS_REPLY_ARRAY || reply->elements > RL_SLOTS)
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements > RL_HASH_SLOTS)
 		return false;
-	map = palloc0(sizeof(uint16) * RL_SLOTS);
+	map = palloc0(sizeof(uint16) * RL_HASH_SLOTS);
 	/* pass 0 checks the whole reply, pass 1 adds its nodes */
 	for (pass = 0; pass < 2; pass++)
 		for (i = 0; i < reply->elements; i++)
@@ -320,8 +317,8 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 			from = range->element[0]->integer;
 			to = range->element[1]->integer;
 			port = rl_reply_number(master->element[1]);
-			if (from < 0 || to >= RL_SLOTS || from > to || port < 1 || port > 65535 ||
-				master->element[0]->len >= RL_ADDRESS_LEN - 8)
+			if (from < 0 || to >= RL_HASH_SLOTS || from > to || port < 1 ||
+				port > 65535 || master->element[0]->len >= RL_ADDRESS_LEN - 8)
 				goto bad;
 			/* an empty host is the node asked; "?" an unknown endpoint */
 			if (master->element[0]->len == 0)
@@ -344,7 +341,7 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 	first_slot = palloc(sizeof(int) * Max(old_nodes, 1));
 	for (i = 0; i < (size_t) old_nodes; i++)
 		first_slot[i] = -1;
-	for (i = RL_SLOTS; i-- > 0;)
+	for (i = RL_HASH_SLOTS; i-- > 0;)
 		if (slot_node[i] != 0 && slot_node[i] <= old_nodes)
 			first_slot[slot_node[i] - 1] = (int) i;
 	for (i = 0; i < (size_t) old_nodes; i++)
@@ -355,9 +352,9 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 		{
 			int			k;
 
-			for (k = 0; k < RL_SLOTS && map[k] != i + 1; k++)
+			for (k = 0; k < RL_HASH_SLOTS && map[k] != i + 1; k++)
 				;
-			if (k == RL_SLOTS)	/* no master any more */
+			if (k == RL_HASH_SLOTS)	/* no master any more */
 				rl_conn_hand_over(nodes[i].conn, nodes[map[slot] - 1].conn);
 		}
 	}
@@ -371,7 +368,7 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 
 		for (i = 0; i < (size_t) nnodes; i++)
 			remap[i] = -1;
-		for (i = 0; i < RL_SLOTS; i++)
+		for (i = 0; i < RL_HASH_SLOTS; i++)
 		{
 			int			index = map[i] - 1;
 
@@ -384,7 +381,7 @@ rl_read_slots(redisReply *reply, const char *asked_host)
 			}
 			slot_node[i] = (uint16) (remap[index] + 1);
 		}
-		for (i = 0; i < RL_SLOTS; i++)
+		for (i = 0; i < RL_HASH_SLOTS; i++)
 			if (map[i] == 0)
 				slot_node[i] = 0;
 		memcpy(nodes, kept, sizeof(RlNode) * count);
@@ -408,7 +405,7 @@ rl_node_serves(int i)
 {
 	int			slot;
 
-	for (slot = 0; slot < RL_SLOTS; slot++)
+	for (slot = 0; slot < RL_HASH_SLOTS; slot++)
 		if (slot_node[slot] == i + 1)
 			return true;
 	return false;
@@ -434,7 +431,7 @@ rl_cluster_refresh(RlFailure *failure)
 
 	if (slot_node == NULL)
 		slot_node = MemoryContextAllocZero(TopMemoryContext,
-										   sizeof(uint16) * RL_SLOTS);
+										   sizeof(uint16) * RL_HASH_SLOTS);
 	rl_fail(failure, RL_FAILURE_TOPOLOGY,
 			ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION, RL_HINT_NONE,
 			NULL, "no Redis Cluster node to ask for the slot map");
@@ -587,7 +584,7 @@ rl_sentinel_discover(RlFailure *failure)
  * Returns the connection a call on key goes to (not necessarily open yet:
  * rl_command opens it), or NULL with failure filled in when it cannot be
  * known: no node answered for the slot map, no sentinel named the master,
- * no node serves the slot.
+ * no node serves the hash slot.
  */
 RlConn *
 rl_route(const char *key, size_t keylen, RlFailure *failure)
@@ -637,7 +634,7 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 		}
 		else
 		{
-			int			slot = rl_key_slot(key, keylen);
+			int			slot = rl_key_hash_slot(key, keylen);
 
 			if (slot_node[slot] != 0)
 				conn = nodes[slot_node[slot] - 1].conn;
@@ -672,19 +669,19 @@ rl_route_known(const char *key, size_t keylen)
 		return rl_conn_current();
 	if (rl_mode == RL_MODE_SENTINEL)
 		return master_conn;
-	if (slot_node == NULL || slot_node[rl_key_slot(key, keylen)] == 0)
+	if (slot_node == NULL || slot_node[rl_key_hash_slot(key, keylen)] == 0)
 		return NULL;
-	return nodes[slot_node[rl_key_slot(key, keylen)] - 1].conn;
+	return nodes[slot_node[rl_key_hash_slot(key, keylen)] - 1].conn;
 }
 
 /*
- * The slot of key in cluster mode, else 0: the keys of one call must share
- * it.
+ * The hash slot of key in cluster mode, else 0: the keys of one call must
+ * share it.
  */
 int
-rl_route_slot(const char *key, size_t keylen)
+rl_route_hash_slot(const char *key, size_t keylen)
 {
-	return rl_mode == RL_MODE_CLUSTER ? rl_key_slot(key, keylen) : 0;
+	return rl_mode == RL_MODE_CLUSTER ? rl_key_hash_slot(key, keylen) : 0;
 }
 
 /*
@@ -742,22 +739,6 @@ rl_route_failed(RlConn *conn)
 	}
 }
 
-/*
- * Parses a redirection's "<slot> <host>:<port>" (after "MOVED " or "ASK ");
- * false when it is not of that form.
- */
-static bool
-rl_parse_redirect(const char *s, RlConn *from, int *slot, char *host, int *port)
-{
-	char	   *end;
-	long		v = strtol(s, &end, 10);
-
-	if (end == s || *end != ' ' || v < 0 || v >= RL_SLOTS)
-		return false;
-	*slot = (int) v;
-	return rl_parse_redirect_node(end + 1, rl_conn_host(from), host, port);
-}
-
 /* Sleeps ms, or less when an interrupt comes (it is serviced). */
 static void
 rl_pause(long ms)
@@ -769,7 +750,7 @@ rl_pause(long ms)
 }
 
 /*
- * True when the reply of script, called with argv, surely fits a slot of
+ * True when the reply of script, called with argv, surely fits an entry of
  * the shared queue (RL_SHARED_REPLY_MAX bytes), which the worker can only
  * learn once the call has run: the scripts of one decision, of a
  * concurrency slot and of a denial count, and the several-limits script of
@@ -836,9 +817,8 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 	{
 		RlConn	   *conn = ask ? ask : moved ? moved : rl_route(key, keylen, failure);
 		redisReply *reply;
-		char		host[RL_ADDRESS_LEN];
-		int			port;
-		int			slot;
+		RlRedirect	to;
+		RlReplyError what;
 		int			index;
 
 		*connp = conn;
@@ -848,15 +828,8 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 			reply = rl_run_script_asking(conn, script, argc, argv, argvlen, failure);
 		else if (ask != NULL)
 		{
-			const char *asking[1] = {"ASKING"};
-			size_t		askinglen[1] = {6};
-
-			reply = rl_command(conn, 1, asking, askinglen, failure);
-			if (reply != NULL && reply->type != REDIS_REPLY_ERROR)
-			{
-				freeReplyObject(reply);
+			if (rl_asking(conn, &reply, failure))
 				reply = rl_command(conn, argc, argv, argvlen, failure);
-			}
 		}
 		else if (script != NULL)
 			reply = rl_run_script(conn, script, argc, argv, argvlen, failure);
@@ -884,28 +857,26 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 		if (reply->type != REDIS_REPLY_ERROR)
 			return reply;
 
-		if (rl_mode == RL_MODE_CLUSTER && strncmp(reply->str, "MOVED ", 6) == 0 &&
-			rl_parse_redirect(reply->str + 6, conn, &slot, host, &port) &&
-			(index = rl_node_index(host, port)) >= 0)
+		what = rl_classify_error(reply->str, rl_conn_host(conn), &to);
+		if (rl_mode == RL_MODE_CLUSTER && what == RL_REPLY_MOVED &&
+			(index = rl_node_index(to.host, to.port)) >= 0)
 		{
-			slot_node[slot] = (uint16) (index + 1);
+			slot_node[to.hash_slot] = (uint16) (index + 1);
 			moved = nodes[index].conn;
 			map_stale = true;
 		}
-		else if (rl_mode == RL_MODE_CLUSTER && strncmp(reply->str, "ASK ", 4) == 0 &&
-				 rl_parse_redirect(reply->str + 4, conn, &slot, host, &port) &&
-				 (index = rl_node_index(host, port)) >= 0)
+		else if (rl_mode == RL_MODE_CLUSTER && what == RL_REPLY_ASK &&
+				 (index = rl_node_index(to.host, to.port)) >= 0)
 			ask = nodes[index].conn;
 		else if (rl_mode == RL_MODE_CLUSTER &&
-				 (strncmp(reply->str, "TRYAGAIN", 8) == 0 ||
-				  strncmp(reply->str, "CLUSTERDOWN", 11) == 0))
+				 (what == RL_REPLY_TRYAGAIN || what == RL_REPLY_CLUSTERDOWN))
 		{
 			long		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
 															   deadline);
 
 			if (left <= 0)
 				return reply;
-			if (strncmp(reply->str, "CLUSTERDOWN", 11) == 0)
+			if (what == RL_REPLY_CLUSTERDOWN)
 				map_stale = true;
 			freeReplyObject(reply);
 			rl_pause(Min(backoff, left));
@@ -913,39 +884,12 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 			tries--;			/* bounded by the deadline instead */
 			continue;
 		}
-		else if (strncmp(reply->str, "READONLY", 8) == 0 ||
-				 strstr(reply->str, "READONLY You can't write") != NULL)
+		else if (what == RL_REPLY_READONLY)
 			rl_route_failed(conn);
 		else
 			return reply;
 		freeReplyObject(reply);
 	}
-}
-
-/*
- * True when the text of an error reply says that Redis did not run the
- * command and it may be sent again: the script was not loaded, or the
- * cluster sent it elsewhere or asked to try again, or the server is a
- * replica now, is still loading its data, or lost its master.
- */
-bool
-rl_error_not_run(const char *error)
-{
-	return strncmp(error, "NOSCRIPT", 8) == 0 ||
-		strncmp(error, "MOVED ", 6) == 0 ||
-		strncmp(error, "ASK ", 4) == 0 ||
-		strncmp(error, "TRYAGAIN", 8) == 0 ||
-		strncmp(error, "CLUSTERDOWN", 11) == 0 ||
-		strncmp(error, "READONLY", 8) == 0 ||
-		strncmp(error, "LOADING", 7) == 0 ||
-		strncmp(error, "MASTERDOWN", 10) == 0;
-}
-
-/* True when reply is an error that says Redis did not run the call. */
-static bool
-rl_reply_not_run(const redisReply *reply)
-{
-	return reply->type == REDIS_REPLY_ERROR && rl_error_not_run(reply->str);
 }
 
 /*
@@ -1056,6 +1000,7 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 		for (i = 0; i < n; i++)
 		{
 			redisReply *reply;
+			RlReplyError what;
 
 			if (group[i] != c)
 				continue;
@@ -1073,16 +1018,16 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 				failure.breaker_opened = false;
 				continue;
 			}
-			if (reply->type == REDIS_REPLY_ERROR &&
-				strncmp(reply->str, "NOSCRIPT", 8) == 0)
+			if (reply->type != REDIS_REPLY_ERROR)
+				rl_conn_script_loaded(conns[c], calls[i].script->id);
+			else if ((what = rl_classify_error(reply->str, rl_conn_host(conns[c]),
+												NULL)) == RL_REPLY_NOSCRIPT)
 			{
 				rl_conn_script_forget(conns[c], calls[i].script->id);
 				noscript[i] = true;
 			}
-			else if (rl_reply_not_run(reply))
+			else if (rl_error_not_run(what))
 				again[i] = true;
-			else if (reply->type != REDIS_REPLY_ERROR)
-				rl_conn_script_loaded(conns[c], calls[i].script->id);
 		}
 	}
 	pfree(conns);

@@ -114,7 +114,7 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 	argvlen[1] = 40;
 	reply = rl_command(conn, argc, argv, argvlen, failure);
 	if (reply == NULL || reply->type != REDIS_REPLY_ERROR ||
-		strncmp(reply->str, "NOSCRIPT", 8) != 0)
+		rl_classify_error(reply->str, rl_conn_host(conn), NULL) != RL_REPLY_NOSCRIPT)
 	{
 		if (reply != NULL)
 			rl_conn_script_loaded(conn, script->id);
@@ -134,13 +134,10 @@ redisReply *
 rl_run_script_asking(RlConn *conn, const RlScript *script, int argc,
 					 const char **argv, size_t *argvlen, RlFailure *failure)
 {
-	const char *asking[1] = {"ASKING"};
-	size_t		askinglen[1] = {6};
-	redisReply *reply = rl_command(conn, 1, asking, askinglen, failure);
+	redisReply *reply;
 
-	if (reply == NULL || reply->type == REDIS_REPLY_ERROR)
+	if (!rl_asking(conn, &reply, failure))
 		return reply;
-	freeReplyObject(reply);
 	return rl_eval(conn, script, argc, argv, argvlen, failure);
 }
 

@@ -4,37 +4,37 @@
  *	  worker (rl_redis.transport = shared).
  *
  * With the library preloaded, shared memory holds rl_redis.shared_queue_size
- * slots. A session that makes a script call under rl_redis.transport =
- * shared claims a free slot, writes the call into it (the script's id, its
+ * entries. A session that makes a script call under rl_redis.transport =
+ * shared claims a free entry, writes the call into it (the script's id, its
  * arguments), marks it queued and sets the worker's latch; then it waits on
- * its own latch for the reply, which the worker writes into the slot in the
- * Redis protocol. The worker (worker.c) takes every queued slot at once and
+ * its own latch for the reply, which the worker writes into the entry in the
+ * Redis protocol. The worker (worker.c) takes every queued entry at once and
  * sends their calls in one pipeline per Redis node, so that the sessions
  * share its connections and its wake-ups.
  *
- * A slot's life, under its spinlock:
+ * An entry's life, under its spinlock:
  *   FREE -> FILLING (a session writes the call) -> QUEUED -> TAKEN (the
- *   worker sends it) -> DONE (reply or failure in the slot) -> FREE (the
+ *   worker sends it) -> DONE (reply or failure in the entry) -> FREE (the
  *   session read it).
  * A session that stops waiting (cancel, statement_timeout, its own wait
- * bound) frees a QUEUED slot (the call never left), or marks a TAKEN one
+ * bound) frees a QUEUED entry (the call never left), or marks a TAKEN one
  * ABANDONED, which the worker frees when the reply comes: a reply is only
- * ever read by the session that asked, and a slot it gave up is not its
+ * ever read by the session that asked, and an entry it gave up is not its
  * own any more (only the worker frees it), so no later call of that
  * session can see the old reply.
  *
  * Work of a transaction end (refunds, slot releases) is handed over as
- * DEFERRED slots: the worker queues it on its own connection, sends it and
- * marks the slot DONE; the session waits for that within the transaction
+ * DEFERRED entries: the worker queues it on its own connection, sends it and
+ * marks the entry DONE; the session waits for that within the transaction
  * end's budget (interrupts are held there: only the budget bounds it), so
  * that another session sees a released slot once COMMIT returns, as with
- * the session's own connection. A slot whose session stopped waiting is
+ * the session's own connection. An entry whose session stopped waiting is
  * freed by the worker.
  *
  * A session uses its own connection instead (rl_shared_call says so) when
  * the worker is not running, when its connection settings differ from the
  * worker's (a session-level SET rl_redis.port, say), when the call or its
- * reply would not fit a slot, or when every slot is taken; the last two are
+ * reply would not fit an entry, or when every entry is taken; the last two are
  * logged once per session. When the worker exits, the calls it had taken
  * fail (they may have run, so they are never sent again) and the calls
  * still queued go back to their sessions, which send them themselves.
@@ -55,29 +55,29 @@
 
 #include "rl_redis.h"
 
-/* the most bytes of a call's arguments and of its reply that a slot holds */
-#define RL_SLOT_REQUEST RL_SHARED_REQUEST_MAX
-#define RL_SLOT_REPLY RL_SHARED_REPLY_MAX
+/* the most bytes of a call's arguments and of its reply that an entry holds */
+#define RL_ENTRY_REQUEST RL_SHARED_REQUEST_MAX
+#define RL_ENTRY_REPLY RL_SHARED_REPLY_MAX
 
 /* how often a waiting session checks that the worker still runs */
 #define RL_WORKER_CHECK_MS 100
 
-typedef enum RlSlotState
+typedef enum RlEntryState
 {
-	RL_SLOT_FREE,
-	RL_SLOT_FILLING,
-	RL_SLOT_QUEUED,
-	RL_SLOT_TAKEN,
-	RL_SLOT_DONE,
-	RL_SLOT_ABANDONED,
-	RL_SLOT_DEFERRED			/* transaction-end work, not taken yet */
-} RlSlotState;
+	RL_ENTRY_FREE,
+	RL_ENTRY_FILLING,
+	RL_ENTRY_QUEUED,
+	RL_ENTRY_TAKEN,
+	RL_ENTRY_DONE,
+	RL_ENTRY_ABANDONED,
+	RL_ENTRY_DEFERRED			/* transaction-end work, not taken yet */
+} RlEntryState;
 
 /* One call in the queue. */
-typedef struct RlSlot
+typedef struct RlEntry
 {
 	slock_t		mutex;
-	RlSlotState state;
+	RlEntryState state;
 	PGPROC	   *owner;			/* who waits for the reply */
 	bool		deferred;		/* transaction-end work */
 	bool		waiter;			/* of deferred work: its session waits */
@@ -94,14 +94,14 @@ typedef struct RlSlot
 	uint64		script_hash;
 	int			nargs;
 	int			request_len;
-	char		request[RL_SLOT_REQUEST];	/* (uint32 length, bytes) each */
+	char		request[RL_ENTRY_REQUEST];	/* (uint32 length, bytes) each */
 	/* the result */
 	bool		failed;
 	bool		sent;			/* of a failed call: it may have reached Redis */
 	RlFailure	failure;
 	int			reply_len;
-	char		reply[RL_SLOT_REPLY];	/* in the Redis protocol */
-} RlSlot;
+	char		reply[RL_ENTRY_REPLY];	/* in the Redis protocol */
+} RlEntry;
 
 /*
  * The queue. The worker's fields are read without a lock by every call:
@@ -114,8 +114,8 @@ typedef struct RlQueue
 	pg_atomic_uint64 workers_started;
 	pg_atomic_uint64 worker_settings;	/* hash of its connection settings */
 	PGPROC	   *worker_proc;
-	int			nslots;
-	RlSlot		slots[FLEXIBLE_ARRAY_MEMBER];
+	int			nentries;
+	RlEntry		entries[FLEXIBLE_ARRAY_MEMBER];
 } RlQueue;
 
 static RlQueue *queue = NULL;
@@ -126,8 +126,8 @@ static bool am_worker = false;
 /* a call this session gave up was still with the worker (rl_shared_settled) */
 static bool gave_up_taken = false;
 
-/* the slot this session waits on, for its exit (a FATAL skips PG_CATCH) */
-static RlSlot *waiting_slot = NULL;
+/* the entry this session waits on, for its exit (a FATAL skips PG_CATCH) */
+static RlEntry *waiting_entry = NULL;
 static bool exit_registered = false;
 
 /* what this session logged once */
@@ -142,8 +142,8 @@ static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 static Size
 rl_queue_size(void)
 {
-	return add_size(offsetof(RlQueue, slots),
-					mul_size(sizeof(RlSlot), rl_shared_queue_size));
+	return add_size(offsetof(RlQueue, entries),
+					mul_size(sizeof(RlEntry), rl_shared_queue_size));
 }
 
 /* Asks the postmaster for the queue's shared memory. */
@@ -168,15 +168,15 @@ rl_queue_shmem_startup(void)
 	queue = ShmemInitStruct("rl_redis shared queue", rl_queue_size(), &found);
 	if (!found)
 	{
-		memset(queue, 0, offsetof(RlQueue, slots));
+		memset(queue, 0, offsetof(RlQueue, entries));
 		pg_atomic_init_u64(&queue->worker_gen, 0);
 		pg_atomic_init_u64(&queue->workers_started, 0);
 		pg_atomic_init_u64(&queue->worker_settings, 0);
-		queue->nslots = rl_shared_queue_size;
-		for (i = 0; i < queue->nslots; i++)
+		queue->nentries = rl_shared_queue_size;
+		for (i = 0; i < queue->nentries; i++)
 		{
-			SpinLockInit(&queue->slots[i].mutex);
-			queue->slots[i].state = RL_SLOT_FREE;
+			SpinLockInit(&queue->entries[i].mutex);
+			queue->entries[i].state = RL_ENTRY_FREE;
 		}
 	}
 	LWLockRelease(AddinShmemInitLock);
@@ -210,64 +210,64 @@ rl_worker_running(uint64 *gen, uint64 *settings, PGPROC **proc)
 	return true;
 }
 
-/* Claims a free slot (state FILLING, owner this session), or NULL. */
-static RlSlot *
-rl_claim_slot(void)
+/* Claims a free entry (state FILLING, owner this session), or NULL. */
+static RlEntry *
+rl_claim_entry(void)
 {
-	int			start = rl_my_proc_number() % queue->nslots;
+	int			start = rl_my_proc_number() % queue->nentries;
 	int			i;
 
-	for (i = 0; i < queue->nslots; i++)
+	for (i = 0; i < queue->nentries; i++)
 	{
-		RlSlot	   *slot = &queue->slots[(start + i) % queue->nslots];
+		RlEntry	   *entry = &queue->entries[(start + i) % queue->nentries];
 
 		/* a racy look first, the lock only for a likely one */
-		if (slot->state != RL_SLOT_FREE)
+		if (entry->state != RL_ENTRY_FREE)
 			continue;
-		SpinLockAcquire(&slot->mutex);
-		if (slot->state == RL_SLOT_FREE)
+		SpinLockAcquire(&entry->mutex);
+		if (entry->state == RL_ENTRY_FREE)
 		{
-			slot->state = RL_SLOT_FILLING;
-			slot->owner = MyProc;
-			slot->deferred = false;
-			slot->waiter = false;
-			SpinLockRelease(&slot->mutex);
-			return slot;
+			entry->state = RL_ENTRY_FILLING;
+			entry->owner = MyProc;
+			entry->deferred = false;
+			entry->waiter = false;
+			SpinLockRelease(&entry->mutex);
+			return entry;
 		}
-		SpinLockRelease(&slot->mutex);
+		SpinLockRelease(&entry->mutex);
 	}
 	return NULL;
 }
 
 /*
- * The session stops waiting on slot: a call not taken yet, or a result
+ * The session stops waiting on entry: a call not taken yet, or a result
  * nobody will read, frees it; a call on its way is left to the worker,
  * which frees it when its reply comes. True when the worker had taken the
  * call (it may have reached Redis).
  */
 static bool
-rl_give_up_slot(RlSlot *slot)
+rl_give_up_entry(RlEntry *entry)
 {
-	RlSlotState state;
+	RlEntryState state;
 
-	SpinLockAcquire(&slot->mutex);
-	state = slot->state;
-	if (state == RL_SLOT_QUEUED || state == RL_SLOT_DONE ||
-		state == RL_SLOT_FILLING)
-		slot->state = RL_SLOT_FREE;
-	else if (state == RL_SLOT_TAKEN)
+	SpinLockAcquire(&entry->mutex);
+	state = entry->state;
+	if (state == RL_ENTRY_QUEUED || state == RL_ENTRY_DONE ||
+		state == RL_ENTRY_FILLING)
+		entry->state = RL_ENTRY_FREE;
+	else if (state == RL_ENTRY_TAKEN)
 	{
-		slot->state = RL_SLOT_ABANDONED;
+		entry->state = RL_ENTRY_ABANDONED;
 		gave_up_taken = true;
 	}
-	SpinLockRelease(&slot->mutex);
-	waiting_slot = NULL;
-	return state == RL_SLOT_TAKEN || state == RL_SLOT_DONE;
+	SpinLockRelease(&entry->mutex);
+	waiting_entry = NULL;
+	return state == RL_ENTRY_TAKEN || state == RL_ENTRY_DONE;
 }
 
 /*
  * Waits until no call this session gave up is still on its way through the
- * worker (a slot ABANDONED, which the worker frees when the call is done),
+ * worker (an entry ABANDONED, which the worker frees when the call is done),
  * or deadline passes (0: none); true when none is. What undoes such a call
  * (a slot release) and goes on another connection must not overtake it.
  * Interrupts are served here, unless held (a transaction end: the deadline
@@ -282,13 +282,13 @@ rl_shared_settled(TimestampTz deadline)
 		long		left = RL_WORKER_CHECK_MS;
 		int			i;
 
-		for (i = 0; i < queue->nslots && !busy; i++)
+		for (i = 0; i < queue->nentries && !busy; i++)
 		{
-			RlSlot	   *slot = &queue->slots[i];
+			RlEntry	   *entry = &queue->entries[i];
 
-			SpinLockAcquire(&slot->mutex);
-			busy = slot->owner == MyProc && slot->state == RL_SLOT_ABANDONED;
-			SpinLockRelease(&slot->mutex);
+			SpinLockAcquire(&entry->mutex);
+			busy = entry->owner == MyProc && entry->state == RL_ENTRY_ABANDONED;
+			SpinLockRelease(&entry->mutex);
 		}
 		if (!busy)
 		{
@@ -309,18 +309,18 @@ rl_shared_settled(TimestampTz deadline)
 	return true;
 }
 
-/* Frees a deferred slot (under its lock): no session's any more. */
+/* Frees a deferred entry (under its lock): no session's any more. */
 static void
-rl_free_deferred(RlSlot *slot)
+rl_free_deferred(RlEntry *entry)
 {
-	slot->state = RL_SLOT_FREE;
-	slot->deferred = false;
-	slot->waiter = false;
-	slot->owner = NULL;
+	entry->state = RL_ENTRY_FREE;
+	entry->deferred = false;
+	entry->waiter = false;
+	entry->owner = NULL;
 }
 
 /*
- * The session stops waiting for its deferred work: done slots are freed,
+ * The session stops waiting for its deferred work: done entries are freed,
  * the others the worker frees when it is done with them.
  */
 static void
@@ -328,34 +328,34 @@ rl_give_up_deferred(void)
 {
 	int			i;
 
-	for (i = 0; i < queue->nslots; i++)
+	for (i = 0; i < queue->nentries; i++)
 	{
-		RlSlot	   *slot = &queue->slots[i];
+		RlEntry	   *entry = &queue->entries[i];
 
-		if (slot->owner != MyProc || !slot->deferred)
+		if (entry->owner != MyProc || !entry->deferred)
 			continue;
-		SpinLockAcquire(&slot->mutex);
-		if (slot->owner == MyProc && slot->deferred && slot->waiter)
+		SpinLockAcquire(&entry->mutex);
+		if (entry->owner == MyProc && entry->deferred && entry->waiter)
 		{
-			if (slot->state == RL_SLOT_DONE)
-				rl_free_deferred(slot);
+			if (entry->state == RL_ENTRY_DONE)
+				rl_free_deferred(entry);
 			else
-				slot->waiter = false;
+				entry->waiter = false;
 		}
-		SpinLockRelease(&slot->mutex);
+		SpinLockRelease(&entry->mutex);
 	}
 }
 
-/* At the session's exit: the slots it waited on are given up. */
+/* At the session's exit: the entries it waited on are given up. */
 static void
 rl_shared_session_exit(int code, Datum arg)
 {
-	if (waiting_slot != NULL)
-		rl_give_up_slot(waiting_slot);
+	if (waiting_entry != NULL)
+		rl_give_up_entry(waiting_entry);
 	rl_give_up_deferred();
 }
 
-/* Makes the session's exit give up its slots (once per session). */
+/* Makes the session's exit give up its entries (once per session). */
 static void
 rl_register_session_exit(void)
 {
@@ -365,26 +365,26 @@ rl_register_session_exit(void)
 	exit_registered = true;
 }
 
-/* Gives a claimed slot back unused. */
+/* Gives a claimed entry back unused. */
 static void
-rl_release_slot(RlSlot *slot)
+rl_release_entry(RlEntry *entry)
 {
-	SpinLockAcquire(&slot->mutex);
-	slot->state = RL_SLOT_FREE;
-	SpinLockRelease(&slot->mutex);
-	if (slot == waiting_slot)
-		waiting_slot = NULL;
+	SpinLockAcquire(&entry->mutex);
+	entry->state = RL_ENTRY_FREE;
+	SpinLockRelease(&entry->mutex);
+	if (entry == waiting_entry)
+		waiting_entry = NULL;
 }
 
-/* Marks a filled slot queued (or deferred) and wakes the worker. */
+/* Marks a filled entry queued (or deferred) and wakes the worker. */
 static void
-rl_enqueue(RlSlot *slot, RlSlotState state, PGPROC *worker)
+rl_enqueue(RlEntry *entry, RlEntryState state, PGPROC *worker)
 {
-	SpinLockAcquire(&slot->mutex);
-	slot->failed = false;
-	slot->reply_len = 0;
-	slot->state = state;
-	SpinLockRelease(&slot->mutex);
+	SpinLockAcquire(&entry->mutex);
+	entry->failed = false;
+	entry->reply_len = 0;
+	entry->state = state;
+	SpinLockRelease(&entry->mutex);
 	SetLatch(&worker->procLatch);
 }
 
@@ -408,11 +408,11 @@ rl_shared_usable(uint64 settings, uint64 *gen, PGPROC **worker)
 }
 
 /*
- * Writes the arguments argv[from..argc-1] into slot as (length, bytes)
+ * Writes the arguments argv[from..argc-1] into entry as (length, bytes)
  * each; false when they do not fit.
  */
 static bool
-rl_slot_write_args(RlSlot *slot, int from, int argc, const char **argv,
+rl_entry_write_args(RlEntry *entry, int from, int argc, const char **argv,
 				   const size_t *argvlen)
 {
 	size_t		len = 0;
@@ -422,46 +422,46 @@ rl_slot_write_args(RlSlot *slot, int from, int argc, const char **argv,
 	{
 		uint32		n = (uint32) argvlen[i];
 
-		if (len + sizeof(uint32) + argvlen[i] > RL_SLOT_REQUEST)
+		if (len + sizeof(uint32) + argvlen[i] > RL_ENTRY_REQUEST)
 			return false;
-		memcpy(slot->request + len, &n, sizeof(uint32));
-		memcpy(slot->request + len + sizeof(uint32), argv[i], argvlen[i]);
+		memcpy(entry->request + len, &n, sizeof(uint32));
+		memcpy(entry->request + len + sizeof(uint32), argv[i], argvlen[i]);
 		len += sizeof(uint32) + argvlen[i];
 	}
-	slot->request_len = (int) len;
-	slot->argc = argc - from;
+	entry->request_len = (int) len;
+	entry->argc = argc - from;
 	return true;
 }
 
-/* How a session's wait for its slot ended. */
+/* How a session's wait for its entry ended. */
 typedef enum RlWaitEnd
 {
-	RL_WAIT_DONE,				/* the slot holds the result */
+	RL_WAIT_DONE,				/* the entry holds the result */
 	RL_WAIT_NOT_SENT,			/* the worker left: the session sends it */
-	RL_WAIT_TIMED_OUT,			/* the slot was given up, the call taken */
-	RL_WAIT_TIMED_OUT_UNSENT	/* the slot was given up, never taken */
+	RL_WAIT_TIMED_OUT,			/* the entry was given up, the call taken */
+	RL_WAIT_TIMED_OUT_UNSENT	/* the entry was given up, never taken */
 } RlWaitEnd;
 
 /*
  * Waits until the worker (number gen) has put the result of the call in
- * slot, or the deadline passes, or the worker is gone before taking it.
+ * entry, or the deadline passes, or the worker is gone before taking it.
  * Interrupts are served (and raise) here.
  */
 static RlWaitEnd
-rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
+rl_shared_wait(RlEntry *entry, uint64 gen, TimestampTz deadline)
 {
 	for (;;)
 	{
-		RlSlotState state;
+		RlEntryState state;
 		uint64		now_gen;
 		uint64		now_settings;
 		PGPROC	   *now_worker;
 		long		left;
 
-		SpinLockAcquire(&slot->mutex);
-		state = slot->state;
-		SpinLockRelease(&slot->mutex);
-		if (state == RL_SLOT_DONE)
+		SpinLockAcquire(&entry->mutex);
+		state = entry->state;
+		SpinLockRelease(&entry->mutex);
+		if (state == RL_ENTRY_DONE)
 			return RL_WAIT_DONE;
 
 		/*
@@ -472,14 +472,14 @@ rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
 		if (!rl_worker_running(&now_gen, &now_settings, &now_worker) ||
 			now_gen != gen)
 		{
-			SpinLockAcquire(&slot->mutex);
-			state = slot->state;
-			if (state == RL_SLOT_QUEUED)
-				slot->state = RL_SLOT_FREE;
-			SpinLockRelease(&slot->mutex);
-			if (state == RL_SLOT_QUEUED)
+			SpinLockAcquire(&entry->mutex);
+			state = entry->state;
+			if (state == RL_ENTRY_QUEUED)
+				entry->state = RL_ENTRY_FREE;
+			SpinLockRelease(&entry->mutex);
+			if (state == RL_ENTRY_QUEUED)
 				return RL_WAIT_NOT_SENT;
-			if (state == RL_SLOT_DONE)
+			if (state == RL_ENTRY_DONE)
 				return RL_WAIT_DONE;
 			if (now_gen != 0)
 				gen = now_gen;
@@ -488,12 +488,12 @@ rl_shared_wait(RlSlot *slot, uint64 gen, TimestampTz deadline)
 		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), deadline);
 		if (left <= 0)
 		{
-			SpinLockAcquire(&slot->mutex);
-			state = slot->state;
-			SpinLockRelease(&slot->mutex);
-			if (state == RL_SLOT_DONE)
+			SpinLockAcquire(&entry->mutex);
+			state = entry->state;
+			SpinLockRelease(&entry->mutex);
+			if (state == RL_ENTRY_DONE)
 				return RL_WAIT_DONE;
-			return rl_give_up_slot(slot) ? RL_WAIT_TIMED_OUT :
+			return rl_give_up_entry(entry) ? RL_WAIT_TIMED_OUT :
 				RL_WAIT_TIMED_OUT_UNSENT;
 		}
 		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
@@ -523,7 +523,7 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 			   const char **argv, const size_t *argvlen, int keyarg,
 			   uint64 settings, RlFailure *failure, bool *used)
 {
-	RlSlot	   *slot;
+	RlEntry	   *entry;
 	PGPROC	   *worker;
 	uint64		gen;
 	int			wait_ms = rl_connect_timeout +
@@ -548,9 +548,9 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	}
 	no_worker_logged = false;
 	rl_register_session_exit();
-	slot = rl_claim_slot();
-	waiting_slot = slot;
-	if (slot == NULL)
+	entry = rl_claim_entry();
+	waiting_entry = entry;
+	if (entry == NULL)
 	{
 		if (!full_logged)
 			ereport(LOG,
@@ -560,38 +560,38 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 		full_logged = true;
 		return NULL;
 	}
-	slot->script_id = script->id;
-	slot->keyarg = keyarg - RL_SCRIPT_ARGV_RESERVED;
-	if (!rl_slot_write_args(slot, RL_SCRIPT_ARGV_RESERVED, argc, argv, argvlen))
+	entry->script_id = script->id;
+	entry->keyarg = keyarg - RL_SCRIPT_ARGV_RESERVED;
+	if (!rl_entry_write_args(entry, RL_SCRIPT_ARGV_RESERVED, argc, argv, argvlen))
 	{
-		rl_release_slot(slot);
+		rl_release_entry(entry);
 		if (!large_logged)
 			ereport(LOG,
 					(errmsg("rl_redis: a call larger than %d bytes uses the session's own connection",
-							RL_SLOT_REQUEST)));
+							RL_ENTRY_REQUEST)));
 		large_logged = true;
 		return NULL;
 	}
-	rl_enqueue(slot, RL_SLOT_QUEUED, worker);
+	rl_enqueue(entry, RL_ENTRY_QUEUED, worker);
 	/* the worker may take it from here on (a FATAL leaves this standing) */
 	rl_conn_note_sent(own, true);
 
 	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), wait_ms);
 	PG_TRY();
 	{
-		end = rl_shared_wait(slot, gen, deadline);
+		end = rl_shared_wait(entry, gen, deadline);
 	}
 	PG_CATCH();
 	{
 		/* an interrupt: the reply, if it comes, is not ours to read */
-		rl_conn_note_sent(own, rl_give_up_slot(slot));
+		rl_conn_note_sent(own, rl_give_up_entry(entry));
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
 
 	if (end == RL_WAIT_NOT_SENT)
 	{
-		waiting_slot = NULL;	/* freed by rl_shared_wait */
+		waiting_entry = NULL;	/* freed by rl_shared_wait */
 		rl_conn_note_sent(own, false);
 		return NULL;			/* *used false: the session sends it */
 	}
@@ -607,18 +607,18 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 		return NULL;
 	}
 
-	/* DONE: the slot is ours until it is freed */
-	if (slot->failed)
+	/* DONE: the entry is ours until it is freed */
+	if (entry->failed)
 	{
 		/* whether the worker sent it (not when it could not connect) */
-		rl_conn_note_sent(own, slot->sent);
-		*failure = slot->failure;
-		rl_release_slot(slot);
+		rl_conn_note_sent(own, entry->sent);
+		*failure = entry->failure;
+		rl_release_entry(entry);
 		return NULL;
 	}
 	reader = redisReaderCreate();
 	if (reader == NULL ||
-		redisReaderFeed(reader, slot->reply, slot->reply_len) != REDIS_OK ||
+		redisReaderFeed(reader, entry->reply, entry->reply_len) != REDIS_OK ||
 		redisReaderGetReply(reader, &reply) != REDIS_OK || reply == NULL)
 	{
 		if (reply != NULL)
@@ -629,7 +629,7 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	}
 	if (reader != NULL)
 		redisReaderFree(reader);
-	rl_release_slot(slot);
+	rl_release_entry(entry);
 	return (redisReply *) reply;
 }
 
@@ -642,29 +642,29 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 bool
 rl_shared_defer(const RlDeferred *work, uint64 settings)
 {
-	RlSlot	   *slot;
+	RlEntry	   *entry;
 	PGPROC	   *worker;
 	uint64		gen;
 
 	if (!rl_shared_usable(settings, &gen, &worker) ||
-		work->len > RL_SLOT_REQUEST || strlen(work->host) >= RL_ADDRESS_LEN)
+		work->len > RL_ENTRY_REQUEST || strlen(work->host) >= RL_ADDRESS_LEN)
 		return false;
 	rl_register_session_exit();
-	slot = rl_claim_slot();
-	if (slot == NULL)
+	entry = rl_claim_entry();
+	if (entry == NULL)
 		return false;
-	slot->deferred = true;
-	slot->waiter = true;
-	strlcpy(slot->host, work->host, RL_ADDRESS_LEN);
-	slot->port = work->port;
-	slot->flags = work->flags;
-	slot->script_len = work->script_len;
-	slot->script_hash = work->script_hash;
-	slot->nargs = work->nargs;
-	memcpy(slot->request, work->encoded, work->len);
-	slot->request_len = (int) work->len;
-	slot->argc = 0;
-	rl_enqueue(slot, RL_SLOT_DEFERRED, worker);
+	entry->deferred = true;
+	entry->waiter = true;
+	strlcpy(entry->host, work->host, RL_ADDRESS_LEN);
+	entry->port = work->port;
+	entry->flags = work->flags;
+	entry->script_len = work->script_len;
+	entry->script_hash = work->script_hash;
+	entry->nargs = work->nargs;
+	memcpy(entry->request, work->encoded, work->len);
+	entry->request_len = (int) work->len;
+	entry->argc = 0;
+	rl_enqueue(entry, RL_ENTRY_DEFERRED, worker);
 	return true;
 }
 
@@ -683,22 +683,22 @@ rl_shared_defer_wait(TimestampTz deadline)
 		int			i;
 		long		left;
 
-		for (i = 0; i < queue->nslots; i++)
+		for (i = 0; i < queue->nentries; i++)
 		{
-			RlSlot	   *slot = &queue->slots[i];
+			RlEntry	   *entry = &queue->entries[i];
 
-			if (slot->owner != MyProc || !slot->deferred)
+			if (entry->owner != MyProc || !entry->deferred)
 				continue;
-			SpinLockAcquire(&slot->mutex);
-			if (slot->owner == MyProc && slot->deferred && slot->waiter &&
-				slot->state != RL_SLOT_FREE)
+			SpinLockAcquire(&entry->mutex);
+			if (entry->owner == MyProc && entry->deferred && entry->waiter &&
+				entry->state != RL_ENTRY_FREE)
 			{
-				if (slot->state == RL_SLOT_DONE)
-					rl_free_deferred(slot);
+				if (entry->state == RL_ENTRY_DONE)
+					rl_free_deferred(entry);
 				else
 					pending++;
 			}
-			SpinLockRelease(&slot->mutex);
+			SpinLockRelease(&entry->mutex);
 		}
 		if (pending == 0)
 			return;
@@ -746,53 +746,53 @@ rl_shared_worker_stop(void)
 	int			i;
 
 	pg_atomic_write_u64(&queue->worker_gen, 0);
-	for (i = 0; i < queue->nslots; i++)
+	for (i = 0; i < queue->nentries; i++)
 	{
-		RlSlot	   *slot = &queue->slots[i];
+		RlEntry	   *entry = &queue->entries[i];
 		PGPROC	   *owner = NULL;
 
-		SpinLockAcquire(&slot->mutex);
-		if (slot->state == RL_SLOT_TAKEN && slot->deferred)
+		SpinLockAcquire(&entry->mutex);
+		if (entry->state == RL_ENTRY_TAKEN && entry->deferred)
 		{
 			/* its work is in the worker's queue, sent as the worker exits */
-			if (slot->waiter)
+			if (entry->waiter)
 			{
-				slot->state = RL_SLOT_DONE;
-				owner = slot->owner;
+				entry->state = RL_ENTRY_DONE;
+				owner = entry->owner;
 			}
 			else
-				rl_free_deferred(slot);
+				rl_free_deferred(entry);
 		}
-		else if (slot->state == RL_SLOT_TAKEN)
+		else if (entry->state == RL_ENTRY_TAKEN)
 		{
-			slot->failed = true;
-			slot->sent = true;
-			rl_fail(&slot->failure, RL_FAILURE_WORKER,
+			entry->failed = true;
+			entry->sent = true;
+			rl_fail(&entry->failure, RL_FAILURE_WORKER,
 					ERRCODE_CONNECTION_FAILURE, RL_HINT_NONE, NULL,
 					"the rl_redis worker exited while a call to Redis was on its way; it may have been applied");
-			slot->state = RL_SLOT_DONE;
-			owner = slot->owner;
+			entry->state = RL_ENTRY_DONE;
+			owner = entry->owner;
 		}
-		else if (slot->state == RL_SLOT_ABANDONED)
+		else if (entry->state == RL_ENTRY_ABANDONED)
 		{
-			slot->state = RL_SLOT_FREE;
-			owner = slot->owner;	/* it may wait in rl_shared_settled */
+			entry->state = RL_ENTRY_FREE;
+			owner = entry->owner;	/* it may wait in rl_shared_settled */
 		}
-		SpinLockRelease(&slot->mutex);
+		SpinLockRelease(&entry->mutex);
 		if (owner != NULL)
 			SetLatch(&owner->procLatch);
 	}
 }
 
-/* The number of slots, for the worker's arrays. */
+/* The number of entries, for the worker's arrays. */
 int
-rl_shared_slots(void)
+rl_shared_entries(void)
 {
-	return queue ? queue->nslots : 0;
+	return queue ? queue->nentries : 0;
 }
 
 /*
- * The worker takes the slot i when it is queued or deferred (state TAKEN):
+ * The worker takes the entry i when it is queued or deferred (state TAKEN):
  * a call is copied into *call (its arguments palloc'd, argv[0..1] left for
  * the script, whose id is put in *script_id) and 1 returned; deferred work
  * is copied into *work (host and encoded palloc'd) and 2 returned (the
@@ -802,8 +802,8 @@ rl_shared_slots(void)
 int
 rl_shared_take(int i, RlCall *call, int *script_id, RlDeferred *work)
 {
-	RlSlot	   *slot = &queue->slots[i];
-	RlSlotState state = slot->state;
+	RlEntry	   *entry = &queue->entries[i];
+	RlEntryState state = entry->state;
 	int			argc;
 	const char **argv;
 	size_t	   *argvlen;
@@ -812,37 +812,37 @@ rl_shared_take(int i, RlCall *call, int *script_id, RlDeferred *work)
 	int			k;
 
 	/* a racy look first */
-	if (state != RL_SLOT_QUEUED && state != RL_SLOT_DEFERRED)
+	if (state != RL_ENTRY_QUEUED && state != RL_ENTRY_DEFERRED)
 		return 0;
-	SpinLockAcquire(&slot->mutex);
-	state = slot->state;
-	if (state == RL_SLOT_QUEUED || state == RL_SLOT_DEFERRED)
-		slot->state = RL_SLOT_TAKEN;
-	SpinLockRelease(&slot->mutex);
+	SpinLockAcquire(&entry->mutex);
+	state = entry->state;
+	if (state == RL_ENTRY_QUEUED || state == RL_ENTRY_DEFERRED)
+		entry->state = RL_ENTRY_TAKEN;
+	SpinLockRelease(&entry->mutex);
 
 	/* TAKEN: the session no longer writes it */
-	if (state == RL_SLOT_DEFERRED)
+	if (state == RL_ENTRY_DEFERRED)
 	{
-		work->host = pstrdup(slot->host);
-		work->port = slot->port;
-		work->flags = slot->flags;
-		work->script_len = slot->script_len;
-		work->script_hash = slot->script_hash;
-		work->nargs = slot->nargs;
-		work->len = slot->request_len;
+		work->host = pstrdup(entry->host);
+		work->port = entry->port;
+		work->flags = entry->flags;
+		work->script_len = entry->script_len;
+		work->script_hash = entry->script_hash;
+		work->nargs = entry->nargs;
+		work->len = entry->request_len;
 		copy = palloc(Max(work->len, 1));
-		memcpy(copy, slot->request, work->len);
+		memcpy(copy, entry->request, work->len);
 		work->encoded = copy;
 		return 2;
 	}
-	if (state != RL_SLOT_QUEUED)
+	if (state != RL_ENTRY_QUEUED)
 		return 0;
 
-	argc = RL_SCRIPT_ARGV_RESERVED + slot->argc;
+	argc = RL_SCRIPT_ARGV_RESERVED + entry->argc;
 	argv = palloc(sizeof(char *) * argc);
 	argvlen = palloc(sizeof(size_t) * argc);
-	copy = palloc(Max(slot->request_len, 1));
-	memcpy(copy, slot->request, slot->request_len);
+	copy = palloc(Max(entry->request_len, 1));
+	memcpy(copy, entry->request, entry->request_len);
 	for (k = RL_SCRIPT_ARGV_RESERVED; k < argc; k++)
 	{
 		uint32		n;
@@ -853,34 +853,34 @@ rl_shared_take(int i, RlCall *call, int *script_id, RlDeferred *work)
 		off += sizeof(uint32) + n;
 	}
 	memset(call, 0, sizeof(RlCall));
-	*script_id = slot->script_id;
+	*script_id = entry->script_id;
 	call->argc = argc;
 	call->argv = argv;
 	call->argvlen = argvlen;
-	call->key = argv[RL_SCRIPT_ARGV_RESERVED + slot->keyarg];
-	call->keylen = argvlen[RL_SCRIPT_ARGV_RESERVED + slot->keyarg];
+	call->key = argv[RL_SCRIPT_ARGV_RESERVED + entry->keyarg];
+	call->keylen = argvlen[RL_SCRIPT_ARGV_RESERVED + entry->keyarg];
 	return 1;
 }
 
 /*
- * The worker sent the deferred work it took from slot i (and read its
+ * The worker sent the deferred work it took from entry i (and read its
  * replies, when Redis answered): its session, if it still waits, is told.
  */
 void
 rl_shared_deferred_done(int i)
 {
-	RlSlot	   *slot = &queue->slots[i];
+	RlEntry	   *entry = &queue->entries[i];
 	PGPROC	   *owner = NULL;
 
-	SpinLockAcquire(&slot->mutex);
-	if (slot->state == RL_SLOT_TAKEN && slot->waiter)
+	SpinLockAcquire(&entry->mutex);
+	if (entry->state == RL_ENTRY_TAKEN && entry->waiter)
 	{
-		slot->state = RL_SLOT_DONE;
-		owner = slot->owner;
+		entry->state = RL_ENTRY_DONE;
+		owner = entry->owner;
 	}
-	else if (slot->state == RL_SLOT_TAKEN)
-		rl_free_deferred(slot);
-	SpinLockRelease(&slot->mutex);
+	else if (entry->state == RL_ENTRY_TAKEN)
+		rl_free_deferred(entry);
+	SpinLockRelease(&entry->mutex);
 	if (owner != NULL)
 		SetLatch(&owner->procLatch);
 }
@@ -922,57 +922,57 @@ rl_encode_reply(StringInfo buf, const redisReply *reply)
 }
 
 /*
- * The worker hands back the result of the call it took from slot i: the
+ * The worker hands back the result of the call it took from entry i: the
  * reply (not freed here), or the failure when reply is NULL, and whether
  * the call may have reached Redis (sent); the session is woken. A session
- * that stopped waiting gets nothing: the slot is freed.
+ * that stopped waiting gets nothing: the entry is freed.
  */
 void
 rl_shared_complete(int i, const redisReply *reply, const RlFailure *failure,
 				   bool sent)
 {
-	RlSlot	   *slot = &queue->slots[i];
+	RlEntry	   *entry = &queue->entries[i];
 	StringInfoData buf;
 	PGPROC	   *owner = NULL;
 
 	/*
-	 * A TAKEN or ABANDONED slot's result is the worker's to write: the
+	 * A TAKEN or ABANDONED entry's result is the worker's to write: the
 	 * session reads it only once it is DONE, and frees an ABANDONED one
 	 * never.
 	 */
 	initStringInfo(&buf);
 	if (reply != NULL)
 		rl_encode_reply(&buf, reply);
-	slot->failed = reply == NULL || buf.len > RL_SLOT_REPLY;
-	slot->sent = reply != NULL || sent;
+	entry->failed = reply == NULL || buf.len > RL_ENTRY_REPLY;
+	entry->sent = reply != NULL || sent;
 	if (reply == NULL)
-		slot->failure = *failure;
-	else if (buf.len > RL_SLOT_REPLY)
+		entry->failure = *failure;
+	else if (buf.len > RL_ENTRY_REPLY)
 	{
-		rl_fail(&slot->failure, RL_FAILURE_PROTOCOL,
+		rl_fail(&entry->failure, RL_FAILURE_PROTOCOL,
 				ERRCODE_PROTOCOL_VIOLATION, RL_HINT_NONE, NULL,
 				"a reply of %d bytes from Redis does not fit the shared queue (%d)",
-				buf.len, RL_SLOT_REPLY);
+				buf.len, RL_ENTRY_REPLY);
 	}
 	else
 	{
-		memcpy(slot->reply, buf.data, buf.len);
-		slot->reply_len = buf.len;
+		memcpy(entry->reply, buf.data, buf.len);
+		entry->reply_len = buf.len;
 	}
 	pfree(buf.data);
 
-	SpinLockAcquire(&slot->mutex);
-	if (slot->state == RL_SLOT_ABANDONED)
+	SpinLockAcquire(&entry->mutex);
+	if (entry->state == RL_ENTRY_ABANDONED)
 	{
-		slot->state = RL_SLOT_FREE;
-		owner = slot->owner;	/* it may wait in rl_shared_settled */
+		entry->state = RL_ENTRY_FREE;
+		owner = entry->owner;	/* it may wait in rl_shared_settled */
 	}
-	else if (slot->state == RL_SLOT_TAKEN)
+	else if (entry->state == RL_ENTRY_TAKEN)
 	{
-		slot->state = RL_SLOT_DONE;
-		owner = slot->owner;
+		entry->state = RL_ENTRY_DONE;
+		owner = entry->owner;
 	}
-	SpinLockRelease(&slot->mutex);
+	SpinLockRelease(&entry->mutex);
 	if (owner != NULL)
 		SetLatch(&owner->procLatch);
 }

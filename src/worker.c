@@ -76,20 +76,20 @@ rl_worker_exit(int code, Datum arg)
  * transaction-end work on the same connections, after the calls (a slot
  * release handed over after its session gave up waiting for the acquire
  * goes after that acquire), and tells the sessions that handed work over
- * that it was sent. Returns how many slots it took. calls and slots have
- * room for every slot of the queue.
+ * that it was sent. Returns how many entries it took. calls and entries have
+ * room for every entry of the queue.
  */
 static int
-rl_worker_round(RlCall *calls, int *slots)
+rl_worker_round(RlCall *calls, int *entries)
 {
-	int			nslots = rl_shared_slots();
-	int		   *done = palloc(sizeof(int) * Max(nslots, 1));
-	RlDeferred *works = palloc(sizeof(RlDeferred) * Max(nslots, 1));
+	int			nentries = rl_shared_entries();
+	int		   *done = palloc(sizeof(int) * Max(nentries, 1));
+	RlDeferred *works = palloc(sizeof(RlDeferred) * Max(nentries, 1));
 	int			ndone = 0;
 	int			n = 0;
 	int			i;
 
-	for (i = 0; i < nslots; i++)
+	for (i = 0; i < nentries; i++)
 	{
 		int			script_id;
 
@@ -107,7 +107,7 @@ rl_worker_round(RlCall *calls, int *slots)
 					rl_shared_complete(i, NULL, &failure, false);
 					break;
 				}
-				slots[n++] = i;
+				entries[n++] = i;
 				break;
 			case 2:
 				done[ndone++] = i;
@@ -122,7 +122,7 @@ rl_worker_round(RlCall *calls, int *slots)
 		rl_call_many(calls, n);
 		for (i = 0; i < n; i++)
 		{
-			rl_shared_complete(slots[i], calls[i].reply, &calls[i].failure,
+			rl_shared_complete(entries[i], calls[i].reply, &calls[i].failure,
 							   calls[i].sent);
 			if (calls[i].reply != NULL)
 				freeReplyObject(calls[i].reply);
@@ -159,7 +159,7 @@ rl_worker_main(Datum arg)
 {
 	MemoryContext round_cxt;
 	RlCall	   *calls;
-	int		   *slots;
+	int		   *entries;
 	TimestampTz last_used = 0;
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
@@ -170,11 +170,11 @@ rl_worker_main(Datum arg)
 	before_shmem_exit(rl_worker_exit, (Datum) 0);
 	rl_shared_worker_start(rl_settings_hash());
 	ereport(LOG,
-			(errmsg("rl_redis worker started with %d queue slots",
-					rl_shared_slots())));
+			(errmsg("rl_redis worker started with %d queue entries",
+					rl_shared_entries())));
 
-	calls = MemoryContextAlloc(TopMemoryContext, sizeof(RlCall) * Max(rl_shared_slots(), 1));
-	slots = MemoryContextAlloc(TopMemoryContext, sizeof(int) * Max(rl_shared_slots(), 1));
+	calls = MemoryContextAlloc(TopMemoryContext, sizeof(RlCall) * Max(rl_shared_entries(), 1));
+	entries = MemoryContextAlloc(TopMemoryContext, sizeof(int) * Max(rl_shared_entries(), 1));
 	round_cxt = AllocSetContextCreate(TopMemoryContext, "rl_redis worker round",
 									  ALLOCSET_DEFAULT_SIZES);
 	for (;;)
@@ -194,7 +194,7 @@ rl_worker_main(Datum arg)
 
 		MemoryContextReset(round_cxt);
 		old = MemoryContextSwitchTo(round_cxt);
-		taken = rl_worker_round(calls, slots);
+		taken = rl_worker_round(calls, entries);
 		MemoryContextSwitchTo(old);
 		if (taken > 0)
 		{
