@@ -552,6 +552,58 @@ PGBIN = os.environ.get("RL_PGBIN") or subprocess.run(
 ).stdout.strip()
 
 
+class Hammer:
+    """Sessions calling in threads until stop(): session s runs
+    job(conn, s, i) for i = 0, 1, ... (pause_s apart) and the outcome of
+    each call is recorded as (s, i, started, finished, value or
+    exception). The load of the Cluster and Sentinel failover tests."""
+
+    def __init__(self, conns, job, pause_s=0.002):
+        self.conns = conns
+        self.job = job
+        self.pause_s = pause_s  # between two calls of a session
+        self.records = [[] for _ in conns]
+        self.stopping = threading.Event()
+        self.barrier = threading.Barrier(len(conns) + 1)
+        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in range(len(conns))]
+
+    def _run(self, s):
+        conn = self.conns[s]
+        self.barrier.wait(timeout=60)
+        i = 0
+        while not self.stopping.is_set():
+            t0 = time.monotonic()
+            try:
+                value = self.job(conn, s, i)
+            except psycopg.Error as e:
+                value = e
+            except BaseException as e:  # a bug of the test: recorded too
+                value = e
+            self.records[s].append((s, i, t0, time.monotonic(), value))
+            i += 1
+            time.sleep(self.pause_s)  # leave some CPU to Redis on a small machine
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+        self.barrier.wait(timeout=60)
+        return self
+
+    def stop(self):
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in self.threads), "a session hung"
+
+    def errors(self, s=None):
+        recs = self.records if s is None else [self.records[s]]
+        return [r for rs in recs for r in rs if isinstance(r[4], BaseException)]
+
+    def calls(self, s=None):
+        recs = self.records if s is None else [self.records[s]]
+        return [r for rs in recs for r in rs]
+
+
 class BlackHole:
     """A TCP port that accepts connections and never answers: a Redis that
     hangs. A decision pointed at it waits rl_redis.command_timeout; each one

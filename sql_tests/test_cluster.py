@@ -28,7 +28,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import new_ident, pg_connect, rl_key, set_gucs
+from conftest import Hammer, new_ident, pg_connect, rl_key, set_gucs
 from redis_topology import (connections, made_policies, backend_identity, fresh_redis_cluster, identity_slot, idents_in_slot,  # noqa: F401
                             redis_cluster, wait_for)
 
@@ -124,56 +124,6 @@ def sqlstate_of(conn, query, params=None):
         conn.execute(query, params)
     return excinfo.value.sqlstate, str(excinfo.value)
 
-
-
-class Hammer:
-    """`n` sessions calling in threads until stop(): session s runs
-    job(conn, s, i) for i = 0, 1, ... and the outcome of each call is
-    recorded as (s, i, started, finished, value or exception)."""
-
-    def __init__(self, conns, job):
-        self.conns = conns
-        self.job = job
-        self.records = [[] for _ in conns]
-        self.stopping = threading.Event()
-        self.barrier = threading.Barrier(len(conns) + 1)
-        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in range(len(conns))]
-
-    def _run(self, s):
-        conn = self.conns[s]
-        self.barrier.wait(timeout=60)
-        i = 0
-        while not self.stopping.is_set():
-            t0 = time.monotonic()
-            try:
-                value = self.job(conn, s, i)
-            except psycopg.Error as e:
-                value = e
-            except BaseException as e:  # a bug of the test: recorded too
-                value = e
-            self.records[s].append((s, i, t0, time.monotonic(), value))
-            i += 1
-            time.sleep(0.002)  # leave some CPU to Redis on a small machine
-
-    def start(self):
-        for t in self.threads:
-            t.start()
-        self.barrier.wait(timeout=60)
-        return self
-
-    def stop(self):
-        self.stopping.set()
-        for t in self.threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in self.threads), "a session hung"
-
-    def errors(self, s=None):
-        recs = self.records if s is None else [self.records[s]]
-        return [r for rs in recs for r in rs if isinstance(r[4], BaseException)]
-
-    def calls(self, s=None):
-        recs = self.records if s is None else [self.records[s]]
-        return [r for rs in recs for r in rs]
 
 
 # ---------------------------------------------------------------- settings

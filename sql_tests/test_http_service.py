@@ -193,14 +193,11 @@ def start_service(tmp_path):
     stop_all()
 
 
-@pytest.fixture
-def service(start_service):
-    return start_service()
-
-
 @pytest.fixture(scope="module")
-def module_service(tmp_path_factory):
-    """One service shared by the tests that only send bad requests."""
+def service(tmp_path_factory):
+    """One service with the default options, shared by the tests of a
+    module (in one xdist worker) that do not stop it or read its log: each
+    uses identities of its own. It must shut down cleanly at the end."""
     start, stop_all = _service_factory(str(tmp_path_factory.mktemp("http_service")))
     yield start()
     stop_all()
@@ -589,8 +586,8 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 @pytest.mark.parametrize("case, body, field", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
-def test_bad_request(module_service, endpoint, case, body, field):
-    resp = module_service.post(endpoint, body)
+def test_bad_request(service, endpoint, case, body, field):
+    resp = service.post(endpoint, body)
     assert resp.status == 400, resp
     assert resp.headers["Content-Type"] == "application/json"
     assert set(resp.json) == {"error"}, resp
@@ -619,9 +616,9 @@ def test_bad_requests_take_nothing(service):
     ("GET", POLICY, 405),
     ("POST", HEALTHZ, 405),
 ])
-def test_unknown_path_and_wrong_method(module_service, method, path, status):
+def test_unknown_path_and_wrong_method(service, method, path, status):
     body = VALID if method in ("POST", "PUT") else None
-    resp = module_service.request(method, path, body)
+    resp = service.request(method, path, body)
     assert resp.status == status, resp
     assert resp.headers["Content-Type"] == "application/json"
     assert isinstance(resp.json.get("error"), str) and resp.json["error"], resp
@@ -838,7 +835,8 @@ def test_healthz(service, start_service, black_hole):
     assert resp.status == 503 and resp.json["status"] == "unavailable" and resp.json["database"] != "ok", resp
 
 
-def test_access_log_one_line_per_request(service):
+def test_access_log_one_line_per_request(start_service):
+    service = start_service()
     service.decide(SLIDING, new_ident("http-log"), 5, 60)
     service.post(SLIDING, with_(limit=0))
     service.request("GET", "/nowhere?x=1")

@@ -19,7 +19,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import free_port, new_ident, rl_key, set_gucs
+from conftest import Hammer, free_port, new_ident, rl_key, set_gucs
 from test_fault_matrix import Blackhole
 from redis_topology import (connections, backend_identity, timed, MASTER_NAME, RedisSentinelFixture, fresh_redis_sentinel,  # noqa: F401
                             redis_sentinel, resp_pipeline, wait_for)
@@ -387,46 +387,6 @@ def test_call_lost_after_sending_is_not_sent_again(pg, sessions, redis_sentinel)
 # ------------------------------------------------------------ failovers
 
 
-class Hammer:
-    """Sessions calling job(conn, s, i) in threads until stop(); records
-    (s, i, started, finished, value or exception)."""
-
-    def __init__(self, conns, job):
-        self.conns, self.job = conns, job
-        self.records = [[] for _ in conns]
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in range(len(conns))]
-
-    def _run(self, s):
-        i = 0
-        while not self.stopping.is_set():
-            t0 = time.monotonic()
-            try:
-                value = self.job(self.conns[s], s, i)
-            except BaseException as e:
-                value = e
-            self.records[s].append((s, i, t0, time.monotonic(), value))
-            i += 1
-            time.sleep(0.005)
-
-    def start(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def stop(self):
-        self.stopping.set()
-        for t in self.threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in self.threads), "a session hung"
-
-    def calls(self, s=None):
-        return [r for rs in (self.records if s is None else [self.records[s]]) for r in rs]
-
-    def errors(self, s=None):
-        return [r for r in self.calls(s) if isinstance(r[4], BaseException)]
-
-
 @pytest.mark.heavy
 def test_failover_under_load(sessions, fresh_redis_sentinel):
     """SENTINEL FAILOVER while 4 sessions call. Before it, each session
@@ -452,7 +412,7 @@ def test_failover_under_load(sessions, fresh_redis_sentinel):
         identity = "%s:%d" % (base, s) if p == 0 else "%s:%d:%d" % (base, s, i)
         return p, identity, conn.execute(FIXED, (identity, BIG_LIM, HUGE_WINDOW_MS)).fetchone()[0]
 
-    h = Hammer(conns, job).start()
+    h = Hammer(conns, job, pause_s=0.005).start()
     wait_for(lambda: all(len(r) >= 20 for r in h.records), 30, "a warm-up", 0.02)
     phase[0] = 1
     wait_for(lambda: all(any(not isinstance(r[4], BaseException) and r[4][0] == 1 for r in rs)
@@ -511,7 +471,7 @@ def test_master_killed_on_error_deny(pg, sessions, fresh_redis_sentinel):
     before = backend_identity(conn)
     identity = new_ident("skill")
     assert conn.execute(FIXED, (identity, BIG_LIM, HUGE_WINDOW_MS)).fetchone()[0] is True
-    h = Hammer([conn], lambda c, s, i: c.execute(FIXED, (identity, BIG_LIM, HUGE_WINDOW_MS)).fetchone()[0])
+    h = Hammer([conn], lambda c, s, i: c.execute(FIXED, (identity, BIG_LIM, HUGE_WINDOW_MS)).fetchone()[0], pause_s=0.005)
     h.start()
     time.sleep(0.3)
     t_kill = time.monotonic()
