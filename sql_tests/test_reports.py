@@ -8,7 +8,10 @@ wrong password), an error reply (WRONGTYPE), a hung Redis (command timeout)
 and a TLS handshake that never ends (connect timeout); as an error and as
 rl_redis.on_error = allow's warning, through rl_redis.transport = backend and
 shared; and an ordinary role never sees the password or the password
-file's path in any part of it.
+file's path in any part of it. What Redis says that is not text in the
+server encoding (a lying Redis's bytes, a long reply cut mid-character)
+reaches a client of another encoding as the report, also at a transaction
+end.
 """
 
 import os
