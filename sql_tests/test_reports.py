@@ -8,7 +8,10 @@ wrong password), an error reply (WRONGTYPE), a hung Redis (command timeout)
 and a TLS handshake that never ends (connect timeout); as an error and as
 rl_redis.on_error = allow's warning, through rl_redis.transport = backend and
 shared; and an ordinary role never sees the password or the password
-file's path in any part of it.
+file's path in any part of it. What Redis says that is not text in the
+server encoding (a lying Redis's bytes, a long reply cut mid-character)
+reaches a client of another encoding as the report, also at a transaction
+end.
 """
 
 import os
@@ -19,6 +22,7 @@ import pytest
 
 from conftest import (BlackHole, PgServer, free_port, give_to_owner, new_ident, own_connection_open,
                       pg_connect, rl_key, set_gucs, use_redis)
+from test_lying_redis import LyingRedis
 
 HINT_SERVER = ("Check rl_redis.host and rl_redis.port (rl_redis.nodes in cluster and sentinel mode); "
                "while Redis cannot be reached, rl_redis.on_error decides.")
@@ -242,3 +246,58 @@ def test_ordinary_role_sees_no_secret(redis_factory):
         assert got[3:] == (HINT_PASSWORD, context(identity)), got
     finally:
         server.remove()
+
+
+def test_redis_text_not_in_the_server_encoding(pg):
+    """What Redis says is bytes, not text in the server's encoding: a byte
+    that begins no character (UTF8) is shown as \\xNN, and a character cut
+    short where the detail ends (a long error reply) is left out; so the
+    report reaches a client of another encoding (LATIN1) as it is, and
+    on_error = allow still allows, where the conversion used to turn both
+    into 22021 "invalid byte sequence"."""
+    lie = LyingRedis(b"-ERR \xff\xfe bad\r\n")
+    long_lie = LyingRedis(b"-ERR " + ("\u00e9" * 300).encode() + b"\r\n")
+    try:
+        pg.execute("SET client_encoding = 'LATIN1'")
+        set_gucs(pg, host="127.0.0.1", port=lie.port, retry_interval=0, on_error="error")
+        message = "Redis at 127.0.0.1:%d returned an error" % lie.port
+        identity = new_ident("binary")
+        assert error_report(pg, FIXED, (identity,)) == (
+            "08000", message, "ERR \\xff\\xfe bad", None, fixed_context(identity))
+        set_gucs(pg, on_error="allow")
+        assert warnings_of(pg, FIXED_ALLOW, (identity,)) == [
+            ("08000", message, "ERR \\xff\\xfe bad\n" + ALLOWED, None, fixed_context(identity))]
+        assert pg.execute(FIXED_ALLOW, (identity,)).fetchone() == (True,)
+
+        set_gucs(pg, port=long_lie.port, on_error="error")
+        identity = new_ident("long")
+        # the detail holds 511 bytes: "ERR " and 253 of the 254th character's 2
+        assert error_report(pg, FIXED, (identity,)) == (
+            "08000", "Redis at 127.0.0.1:%d returned an error" % long_lie.port,
+            "ERR " + "\u00e9" * 253, None, fixed_context(identity))
+    finally:
+        lie.close()
+        long_lie.close()
+
+
+def test_refused_at_transaction_end_in_another_encoding(pg):
+    """A command of a transaction end that Redis refuses with bytes that are
+    no text (the release of a slot whose acquire failed) is reported as any
+    failure: our message, Redis's text as the detail, as \\xNN, to a client
+    of another encoding; the acquire is allowed under on_error = allow."""
+    lie = LyingRedis(b"-ERR \xff bad\r\n")
+    try:
+        pg.execute("SET client_encoding = 'LATIN1'")
+        set_gucs(pg, host="127.0.0.1", port=lie.port, retry_interval=0, on_error="allow")
+        identity = new_ident("xactend")
+        key = rl_key("concurrency", identity, lim=3, window_ms=60000)
+        assert warnings_of(pg, "SELECT allowed FROM rl_concurrency_acquire(%s, 3, 60000)", (identity,)) == [
+            ("08000", "Redis at 127.0.0.1:%d returned an error" % lie.port,
+             "ERR \\xff bad\n" + ALLOWED, None,
+             'rl_redis concurrency acquire on key "%s"' % key),
+            ("08000", "Redis at 127.0.0.1:%d refused a rate-limit command sent at the end of a transaction"
+             % lie.port,
+             "ERR \\xff bad\nA slot may stay taken until its lease ends, or units of a rolled-back "
+             "transaction may not have been given back.", None, None)]
+    finally:
+        lie.close()

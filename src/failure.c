@@ -52,17 +52,54 @@ rl_vfail(RlFailure *failure, RlFailureKind kind, int sqlerrcode, RlHint hint,
 }
 
 /*
+ * Appends the text s to buf valid in the server encoding: what Redis,
+ * OpenSSL or a lying server said is bytes, so a byte that begins no valid
+ * character is shown as \xNN, and a character cut short at the end (a text
+ * truncated to its buffer) is left out.
+ */
+static void
+rl_append_valid(StringInfo buf, const char *s)
+{
+	int			encoding = GetDatabaseEncoding();
+	int			left = (int) strlen(s);
+
+	while (left > 0)
+	{
+		int			len = pg_encoding_mblen(encoding, s);
+
+		if (len > left)
+			break;
+		if (pg_encoding_verifymbchar(encoding, s, len) != len)
+		{
+			appendStringInfo(buf, "\\x%02x", (unsigned char) *s);
+			len = 1;
+		}
+		else
+			appendBinaryStringInfo(buf, s, len);
+		s += len;
+		left -= len;
+	}
+}
+
+/*
  * Writes failure's message and detail on one line into buf (size bytes),
- * for rl_redis_connections and for reports that have a detail of their own;
- * returns buf.
+ * valid in the server encoding, for rl_redis_connections and for reports
+ * that have a detail of their own; returns buf.
  */
 const char *
 rl_failure_text(const RlFailure *failure, char *buf, size_t size)
 {
+	StringInfoData text;
+
+	initStringInfo(&text);
+	rl_append_valid(&text, failure->message);
 	if (failure->detail[0] != '\0')
-		snprintf(buf, size, "%s: %s", failure->message, failure->detail);
-	else
-		strlcpy(buf, failure->message, size);
+	{
+		appendStringInfoString(&text, ": ");
+		rl_append_valid(&text, failure->detail);
+	}
+	strlcpy(buf, text.data, pg_mbcliplen(text.data, text.len, size - 1) + 1);
+	pfree(text.data);
 	return buf;
 }
 
@@ -94,16 +131,20 @@ rl_failure_hint(const RlFailure *failure)
 /*
  * Reports failure at elevel (ERROR raises): its SQLSTATE, message, hint,
  * and as detail what Redis or the system said, that the breaker held the
- * call back, and outcome (a sentence, or NULL). The CONTEXT is the call's
+ * call back, and outcome (a sentence, or NULL); message and detail valid
+ * in the server encoding (rl_append_valid). The CONTEXT is the call's
  * (rl_context_push).
  */
 void
 rl_report(int elevel, const RlFailure *failure, const char *outcome)
 {
+	StringInfoData message;
 	StringInfoData detail;
 
+	initStringInfo(&message);
+	rl_append_valid(&message, failure->message);
 	initStringInfo(&detail);
-	appendStringInfoString(&detail, failure->detail);
+	rl_append_valid(&detail, failure->detail);
 	if (failure->held_back)
 		appendStringInfo(&detail, "%sRedis is not retried for rl_redis.retry_interval after a failure.",
 						 detail.len > 0 ? "\n" : "");
@@ -111,9 +152,10 @@ rl_report(int elevel, const RlFailure *failure, const char *outcome)
 		appendStringInfo(&detail, "%s%s", detail.len > 0 ? "\n" : "", outcome);
 	ereport(elevel,
 			(errcode(failure->sqlerrcode),
-			 errmsg_internal("%s", failure->message),
+			 errmsg_internal("%s", message.data),
 			 detail.len > 0 ? errdetail_internal("%s", detail.data) : 0,
 			 rl_failure_hint(failure)));
+	pfree(message.data);
 	pfree(detail.data);
 }
 

@@ -2,7 +2,10 @@
  * rl_redis.h
  *	  Declarations shared by the files of the rl_redis extension.
  *
- * The files, each calling only files listed above it (no circle):
+ * The files, each calling only files listed above it (no circle), but for
+ * the key format, which stays in one place in engine.c: stats.c reads keys
+ * with rl_parse_key and denials.c writes its keys with
+ * rl_append_denials_key.
  *
  * src/algorithms.h   the table of algorithms, one line each, read by the C
  *                    files and by src/embed_lua.sh

@@ -213,15 +213,15 @@ rl_read_pending(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *fai
 			freeReplyObject(reply);
 		else if (reply->type == REDIS_REPLY_ERROR)
 		{
-			char		text[256];
+			RlFailure	refused;
 
-			snprintf(text, sizeof(text), "%s", reply->str);
+			rl_fail(&refused, RL_FAILURE_REPLY, ERRCODE_CONNECTION_EXCEPTION,
+					RL_HINT_NONE, reply->str,
+					"Redis at %s refused a rate-limit command sent at the end of a transaction",
+					conn->address);
 			freeReplyObject(reply);
-			ereport(WARNING,
-					(errcode(ERRCODE_CONNECTION_EXCEPTION),
-					 errmsg("Redis at %s refused a rate-limit command sent at the end of a transaction: %s",
-							conn->address, text),
-					 errdetail("A slot may stay taken until its lease ends, or units of a rolled-back transaction may not have been given back.")));
+			rl_report(WARNING, &refused,
+					  "A slot may stay taken until its lease ends, or units of a rolled-back transaction may not have been given back.");
 		}
 		else
 			freeReplyObject(reply);
@@ -497,13 +497,8 @@ rl_flush_queue(RlConn *conn, TimestampTz deadline)
 			}
 			else if (failure.sqlerrcode != 0)
 			{
-				ereport(WARNING,
-						(errcode(failure.sqlerrcode),
-						 errmsg_internal("%s", failure.message),
-						 failure.detail[0] != '\0' ?
-						 errdetail_internal("%s\nRate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.",
-											failure.detail) :
-						 errdetail("Rate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.")));
+				rl_report(WARNING, &failure,
+						  "Rate-limit work of the transaction end (slot releases, refunds) is sent with the session's next call.");
 				rl_breaker_failed(&conn->breaker, &failure);
 			}
 			else if (conn->replies_read == replies_before)
