@@ -7,6 +7,7 @@ OBJS = \
 	src/guc.o \
 	src/stats.o \
 	src/denycache.o \
+	src/keys.o \
 	src/failure.o \
 	src/breaker.o \
 	src/tls.o \

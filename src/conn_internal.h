@@ -112,8 +112,6 @@ StaticAssertDecl(offsetof(RlConn, kind) == offsetof(RlConnKey, kind) &&
 				 offsetof(RlConn, host) >= sizeof(RlConnKey),
 				 "RlConnKey must be the first fields of RlConn");
 
-/* a reused buffer larger than this is given back after use */
-#define RL_KEEP_BUFFER (64 * 1024)
 
 /* the connections (conn.c) */
 extern RlConn *rl_conn_list;

@@ -3,7 +3,7 @@
  *	  Who is being throttled: with rl_redis.track_denials, every denial of a
  *	  policy is counted per identity in Redis, in one sorted set per policy
  *	  and minute (<prefix>denials:{<policy>}:<minute>, built by
- *	  rl_append_denials_key in engine.c; kept a day, at most 10 000
+ *	  rl_append_denials_key in keys.c; kept a day, at most 10 000
  *	  identities each), so that every server sharing that Redis adds to the
  *	  same counts; rl_top_denied (functions.c) reads them back.
  *

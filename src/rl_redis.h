@@ -2,14 +2,13 @@
  * rl_redis.h
  *	  Declarations shared by the files of the rl_redis extension.
  *
- * The files, each calling only files listed above it (no circle), but for
- * the key format, which stays in one place in engine.c: stats.c reads keys
- * with rl_parse_key and denials.c writes its keys with
- * rl_append_denials_key.
+ * The files, each calling only files listed above it (no circle):
  *
  * src/algorithms.h   the table of algorithms, one line each, read by the C
  *                    files and by src/embed_lua.sh
  * src/guc.c          the rl_redis.* settings
+ * src/keys.c         the one format of the keys in Redis: built, parsed,
+ *                    matched (rl_build_key, rl_parse_key, rl_key_of)
  * src/stats.c        counters of the decisions per database and policy
  *                    (shared memory when preloaded) and their SQL functions
  * src/denycache.c    the local cache of denials (rl_redis.deny_cache)
@@ -83,6 +82,9 @@
 #include "utils/timestamp.h"
 
 #include "compat.h"
+
+/* a reused buffer larger than this is given back after use */
+#define RL_KEEP_BUFFER (64 * 1024)
 
 /* rl_redis.on_error */
 typedef enum RlOnError
@@ -671,7 +673,7 @@ struct RlLimit
 	int32		burst;			/* 0 when none */
 };
 
-/* What rl_parse_key finds in a key (pointers into the key). */
+/* the key format (keys.c): what rl_parse_key finds in a key (pointers) */
 typedef struct RlKeyParts
 {
 	const char *kind;			/* the algorithm or "concurrency" */
