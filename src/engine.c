@@ -276,7 +276,7 @@ bad:
 
 /*
  * Fills call with the script call that decides n charges sharing one
- * cluster slot (run_all.lua: applied to all or to none), made under the
+ * hash slot (run_all.lua: applied to all or to none), made under the
  * refund scopes given ("" for none). Its arguments are palloc'd.
  */
 static void
@@ -369,7 +369,7 @@ rl_group_result(RlCall *call, RlCharge *charges, int n, int64 rtt_us,
 }
 
 /*
- * Decides n charges that share one cluster slot in one script call: applied
+ * Decides n charges that share one hash slot in one script call: applied
  * to all or to none. Fills d with the most restrictive result and *index
  * with its charge (and each charge's clock and epoch). The charges are made
  * under the refund scopes given ("" for none). False, with failure filled
@@ -401,19 +401,19 @@ rl_remember_charges(RlCharge *charges, int n, RlChargeBy by)
 						   charges[j].stamp_us, charges[j].epoch, by);
 }
 
-/* A charge and its place in the caller's array, to sort by slot. */
-typedef struct RlSlotCharge
+/* A charge and its place in the caller's array, to sort by hash slot. */
+typedef struct RlHashSlotCharge
 {
 	int			slot;
 	int			index;
-} RlSlotCharge;
+} RlHashSlotCharge;
 
-/* qsort order of RlSlotCharge: by slot, then as the caller gave them */
+/* qsort order of RlHashSlotCharge: by hash slot, then as the caller gave them */
 static int
-rl_slot_charge_cmp(const void *a, const void *b)
+rl_hash_slot_charge_cmp(const void *a, const void *b)
 {
-	const RlSlotCharge *x = (const RlSlotCharge *) a;
-	const RlSlotCharge *y = (const RlSlotCharge *) b;
+	const RlHashSlotCharge *x = (const RlHashSlotCharge *) a;
+	const RlHashSlotCharge *y = (const RlHashSlotCharge *) b;
 
 	if (x->slot != y->slot)
 		return (x->slot > y->slot) - (x->slot < y->slot);
@@ -441,7 +441,7 @@ rl_tighter(const RlDecision *a, const RlDecision *b)
 typedef struct RlSplit
 {
 	RlCharge   *charges;		/* the caller's */
-	RlSlotCharge *order;		/* charges by slot */
+	RlHashSlotCharge *order;		/* charges by slot */
 	RlCharge   *group;			/* the charges in that order */
 	RlCall	   *calls;			/* one per slot */
 	int		   *first;			/* a call's first charge in group */
@@ -528,7 +528,7 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
  * (by_guard: made by a guard). False, with failure filled in, when Redis
  * gave no decision.
  *
- * Keys of one cluster slot go in one script call, which is atomic. Keys in
+ * Keys of one hash slot go in one script call, which is atomic. Keys in
  * several slots (a statement guard over many identities, in cluster mode)
  * go in one call per slot, all pipelined (rl_call_many): one round trip per
  * node. When one slot denies or fails, or an interrupt ends the wait, the
@@ -577,13 +577,13 @@ rl_decide_charges(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	sp.covered = rl_refund_covers(sp.by);
 	scopes = sp.covered ? rl_refund_scopes(sp.by) : rl_refund_call_scope(sp.callscope);
 	scopes = pstrdup(scopes);
-	sp.order = palloc(sizeof(RlSlotCharge) * n);
+	sp.order = palloc(sizeof(RlHashSlotCharge) * n);
 	for (j = 0; j < n; j++)
 	{
 		sp.order[j].slot = rl_route_hash_slot(charges[j].key->data, charges[j].key->len);
 		sp.order[j].index = j;
 	}
-	qsort(sp.order, n, sizeof(RlSlotCharge), rl_slot_charge_cmp);
+	qsort(sp.order, n, sizeof(RlHashSlotCharge), rl_hash_slot_charge_cmp);
 	sp.group = palloc(sizeof(RlCharge) * n);
 	sp.first = palloc(sizeof(int) * n);
 	sp.size = palloc(sizeof(int) * n);
@@ -780,8 +780,8 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 /* about the most key bytes of one script call (it holds Redis meanwhile) */
 #define RL_BATCH_CALL_BYTES (1024 * 1024)
 
-/* A key of a batch: its cluster slot and its place in the caller's array. */
-typedef RlSlotCharge RlBatchKey;
+/* A key of a batch: its hash slot and its place in the caller's array. */
+typedef RlHashSlotCharge RlBatchKey;
 
 /* A batch decision (rl_decide_batch) while it is sent. */
 typedef struct RlBatch
@@ -1069,7 +1069,7 @@ rl_batch_call_bytes(const RlBatch *b, int c)
  * Decides limit for each of n identities on its own, cost units each (not
  * all or nothing: each identity gets its own decision, in d[i]), on the
  * policy's keys (policy not NULL) or the explicit limit's. The keys of one
- * cluster slot go in script calls of at most RL_BATCH_KEYS keys, and the
+ * hash slot go in script calls of at most RL_BATCH_KEYS keys, and the
  * calls are pipelined (rl_call_many) in rounds of about RL_BATCH_ROUND
  * keys: one round trip per Redis node and round. The same identity given
  * twice is decided twice, in order. Allowed charges are remembered for a
@@ -1114,7 +1114,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 		}
 	}
 	if (rl_mode == RL_MODE_CLUSTER)
-		qsort(b.keys, n, sizeof(RlBatchKey), rl_slot_charge_cmp);
+		qsort(b.keys, n, sizeof(RlBatchKey), rl_hash_slot_charge_cmp);
 
 	/*
 	 * One call per run of keys of one slot, at most RL_BATCH_KEYS keys and

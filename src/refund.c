@@ -420,19 +420,19 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	pfree(numbers);
 }
 
-/* One scope entry and the cluster slot of its key, to sort by slot. */
-typedef struct RlSlotted
+/* One scope entry and the hash slot of its key, to sort by hash slot. */
+typedef struct RlHashSlotted
 {
 	int			slot;
 	RlPending  *p;
-} RlSlotted;
+} RlHashSlotted;
 
-/* qsort order of RlSlotted: by slot */
+/* qsort order of RlHashSlotted: by slot */
 static int
-rl_slotted_cmp(const void *a, const void *b)
+rl_hash_slotted_cmp(const void *a, const void *b)
 {
-	int			x = ((const RlSlotted *) a)->slot;
-	int			y = ((const RlSlotted *) b)->slot;
+	int			x = ((const RlHashSlotted *) a)->slot;
+	int			y = ((const RlHashSlotted *) b)->slot;
 
 	return (x > y) - (x < y);
 }
@@ -446,7 +446,7 @@ rl_slotted_cmp(const void *a, const void *b)
  */
 static void
 rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
-				 bool idempotent, RlSlotted *slotted, long n,
+				 bool idempotent, RlHashSlotted *slotted, long n,
 				 const char *parents)
 {
 	RlPending **list;
@@ -454,7 +454,7 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 	long		batch;
 
 	if (n > 1)
-		qsort(slotted, n, sizeof(RlSlotted), rl_slotted_cmp);
+		qsort(slotted, n, sizeof(RlHashSlotted), rl_hash_slotted_cmp);
 	list = palloc(sizeof(RlPending *) * (n + 1));
 	for (j = 0; j < n; j++)
 		list[j] = slotted[j].p;
@@ -497,7 +497,7 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 {
 	HASH_SEQ_STATUS seq;
 	RlPending  *p;
-	RlSlotted  *slotted;
+	RlHashSlotted  *slotted;
 	long		n = 0;
 	StringInfoData parents;
 	RlScope    *s;
@@ -506,7 +506,7 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 	if (scope->keys == NULL)
 		return;
 	old = MemoryContextSwitchTo(scope->cxt);
-	slotted = palloc(sizeof(RlSlotted) * (hash_get_num_entries(scope->keys) + 1));
+	slotted = palloc(sizeof(RlHashSlotted) * (hash_get_num_entries(scope->keys) + 1));
 	hash_seq_init(&seq, scope->keys);
 	while ((p = hash_seq_search(&seq)) != NULL)
 		if (rl_scope_wants(p, refund, idempotent))
@@ -539,7 +539,7 @@ rl_refund_covers(RlChargeBy by)
 
 /*
  * Writes into buf (64 bytes) and returns a refund scope id of its own for
- * one call split across cluster slots whose charges refund_on_abort does
+ * one call split across hash slots whose charges refund_on_abort does
  * not cover ("<tag>.<pid>.<n>", like a transaction's), so that the records
  * its charges leave in Redis are its own.
  */
@@ -564,7 +564,7 @@ rl_refund_call_end(const char *id, RlCharge *charges, int n, bool give_back)
 {
 	RlScope		scope;
 	RlPending  *entries = palloc0(sizeof(RlPending) * Max(n, 1));
-	RlSlotted  *slotted = palloc(sizeof(RlSlotted) * Max(n, 1));
+	RlHashSlotted  *slotted = palloc(sizeof(RlHashSlotted) * Max(n, 1));
 	int			pass;
 	int			j;
 
