@@ -86,18 +86,27 @@ _CONFIG = None
 # Module-scoped fixtures that start a server of their own (seconds each):
 # the tests that use one stay on one xdist worker, which starts it once.
 ONE_WORKER_FIXTURES = ("shared_server", "private_server")
+# fixtures of a module's own servers (a Redis Cluster, a Sentinel set): the
+# tests of one module that use one go to one xdist worker, which starts it
+# once instead of once per worker
+ONE_WORKER_PER_MODULE_FIXTURES = ("redis_cluster", "redis_sentinel")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    """The tests of a fixture of ONE_WORKER_FIXTURES share an xdist group.
+    """The tests of a fixture of ONE_WORKER_FIXTURES share an xdist group,
+    and so do a module's tests of a fixture of ONE_WORKER_PER_MODULE_FIXTURES.
     RL_TEST_ORDER=reverse runs the modules in reverse order (each module's
     tests in their own order): a check that no module depends on another
     having run first."""
     for item in items:
-        for name in ONE_WORKER_FIXTURES:
-            if name in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(name))
+        names = getattr(item, "fixturenames", ())
+        group = next((name for name in ONE_WORKER_FIXTURES if name in names), None)
+        if group is None:
+            group = next(("%s@%s" % (name, item.module.__name__)
+                          for name in ONE_WORKER_PER_MODULE_FIXTURES if name in names), None)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("RL_TEST_ORDER") == "reverse":
         modules = []
         for item in items:
