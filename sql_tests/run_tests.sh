@@ -107,7 +107,14 @@ deb_log=$RL_DIR/test_deb.log
 bash sql_tests/test_deb.sh >"$deb_log" 2>&1 &
 deb_pid=$!
 
+# one collection first fills the cache of rewritten test modules (above),
+# while pg_regress runs, so that the pytest processes started together
+# below do not each rewrite them
+"${pytest[@]}" --collect-only sql_tests >/dev/null 2>&1 &
+warm_pid=$!
+
 run_regress || failed+=(installcheck)
+wait "$warm_pid"
 
 echo "== concurrency and fault tests (pytest, $jobs workers, then the tests marked alone)"
 t=$SECONDS
