@@ -551,6 +551,10 @@ PGBIN = os.environ.get("RL_PGBIN") or subprocess.run(
     ["pg_config", "--bindir"], capture_output=True, text=True, check=True
 ).stdout.strip()
 
+# sql_tests/valgrind.sh: the postgres that PgServer starts, a script that
+# runs this build's server under valgrind, as valgrind.sh's own server
+VALGRIND_POSTGRES = os.environ.get("RL_VALGRIND_POSTGRES")
+
 
 class BlackHole:
     """A TCP port that accepts connections and never answers: a Redis that
@@ -718,10 +722,13 @@ class PgServer:
             raise
 
     def start(self):
+        """Starts the server (under valgrind in sql_tests/valgrind.sh's run,
+        which takes longer)."""
+        wrap = ["-p", VALGRIND_POSTGRES, "-t", "600"] if VALGRIND_POSTGRES else ["-t", "60"]
         subprocess.run(
             as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-l", self.logfile,
-                      "-w", "-t", "60", "start"]),
-            check=True, capture_output=True, timeout=90,
+                      "-w"] + wrap + ["start"]),
+            check=True, capture_output=True, timeout=660 if VALGRIND_POSTGRES else 90,
         )
 
     def connect(self, user="postgres", **gucs):
@@ -737,6 +744,13 @@ class PgServer:
                 "PGUSER": "postgres"}
 
     def stop(self):
+        """Stops the server at once; under valgrind, a fast shutdown first, so
+        that every process writes its leak report."""
+        if VALGRIND_POSTGRES and subprocess.run(
+                as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-m", "fast",
+                          "-w", "-t", "300", "stop"]),
+                capture_output=True, timeout=330).returncode == 0:
+            return
         subprocess.run(
             as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-m", "immediate",
                       "-w", "stop"]),
