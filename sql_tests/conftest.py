@@ -788,7 +788,10 @@ class PgServer:
         return out
 
     def worker_pids(self):
-        return [pid for pid, cmd in self.children().items() if "rl_redis worker" in cmd]
+        """The pids of the running workers: the children that logged "rl_redis
+        worker started" (the process title does not show under valgrind)."""
+        started = {int(m) for m in re.findall(r"\[(\d+)\] LOG:  rl_redis worker started", self.log())}
+        return [pid for pid in self.children() if pid in started]
 
     def worker_pid(self, timeout=10.0):
         """The pid of the one worker (waits for it to run)."""

@@ -9,8 +9,9 @@
 #   (no names: the whole REGRESS list of the Makefile)
 #
 # Environment:
-#   RL_VALGRIND_KEEP=DIR   copy the valgrind logs (one per process) and the
-#                          regression diffs to DIR before cleaning up
+#   RL_VALGRIND_KEEP=DIR   copy the valgrind logs (one per process), the
+#                          regression diffs and the server log
+#                          (postgres-log.txt) to DIR before cleaning up
 #   RL_VALGRIND_ERROR_EXITCODE   valgrind's --error-exitcode (default 1, see
 #                          below; 0 turns it off)
 #   RL_VALGRIND_PYTEST="sql_tests/test_faults.py ..."   also run these pytest
@@ -69,7 +70,7 @@ cleanup() {
 	if [ -n "${RL_VALGRIND_KEEP:-}" ] && [ -d "$VG_DIR" ]; then
 		mkdir -p "$RL_VALGRIND_KEEP" && cp -r "$VG_DIR"/. "$RL_VALGRIND_KEEP"/
 		[ -f "$BUILD/regression.diffs" ] && cp "$BUILD/regression.diffs" "$RL_VALGRIND_KEEP"/
-		cp "$RL_DIR/postgres.log" "$RL_VALGRIND_KEEP"/
+		cp "$RL_DIR/postgres.log" "$RL_VALGRIND_KEEP"/postgres-log.txt
 	fi
 	rl_cluster_stop
 }
