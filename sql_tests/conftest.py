@@ -561,6 +561,10 @@ PGBIN = os.environ.get("RL_PGBIN") or subprocess.run(
     ["pg_config", "--bindir"], capture_output=True, text=True, check=True
 ).stdout.strip()
 
+# sql_tests/valgrind.sh: the postgres that PgServer starts, a script that
+# runs this build's server under valgrind, as valgrind.sh's own server
+VALGRIND_POSTGRES = os.environ.get("RL_VALGRIND_POSTGRES")
+
 
 class Hammer:
     """Sessions calling in threads until stop(): session s runs
@@ -796,10 +800,13 @@ class PgServer:
             raise
 
     def start(self):
+        """Starts the server (under valgrind in sql_tests/valgrind.sh's run,
+        which takes longer)."""
+        wrap = ["-p", VALGRIND_POSTGRES, "-t", "600"] if VALGRIND_POSTGRES else ["-t", "60"]
         subprocess.run(
             as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-l", self.logfile,
-                      "-w", "-t", "60", "start"]),
-            check=True, capture_output=True, timeout=90,
+                      "-w"] + wrap + ["start"]),
+            check=True, capture_output=True, timeout=660 if VALGRIND_POSTGRES else 90,
         )
 
     def connect(self, user="postgres", **gucs):
@@ -815,6 +822,13 @@ class PgServer:
                 "PGUSER": "postgres"}
 
     def stop(self):
+        """Stops the server at once; under valgrind, a fast shutdown first, so
+        that every process writes its leak report."""
+        if VALGRIND_POSTGRES and subprocess.run(
+                as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-m", "fast",
+                          "-w", "-t", "300", "stop"]),
+                capture_output=True, timeout=330).returncode == 0:
+            return
         subprocess.run(
             as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-m", "immediate",
                       "-w", "stop"]),
@@ -852,7 +866,10 @@ class PgServer:
         return out
 
     def worker_pids(self):
-        return [pid for pid, cmd in self.children().items() if "rl_redis worker" in cmd]
+        """The pids of the running workers: the children that logged "rl_redis
+        worker started" (the process title does not show under valgrind)."""
+        started = {int(m) for m in re.findall(r"\[(\d+)\] LOG:  rl_redis worker started", self.log())}
+        return [pid for pid in self.children() if pid in started]
 
     def worker_pid(self, timeout=10.0):
         """The pid of the one worker (waits for it to run)."""

@@ -9,8 +9,9 @@
 #   (no names: the whole REGRESS list of the Makefile)
 #
 # Environment:
-#   RL_VALGRIND_KEEP=DIR   copy the valgrind logs (one per process) and the
-#                          regression diffs to DIR before cleaning up
+#   RL_VALGRIND_KEEP=DIR   copy the valgrind logs (one per process), the
+#                          regression diffs and the server log
+#                          (postgres-log.txt) to DIR before cleaning up
 #   RL_VALGRIND_ERROR_EXITCODE   valgrind's --error-exitcode (default 1, see
 #                          below; 0 turns it off)
 #   RL_VALGRIND_PYTEST="sql_tests/test_faults.py ..."   also run these pytest
@@ -20,7 +21,9 @@
 #                          connects, lost connections, cancels, error
 #                          replies). Their timing assertions are expected to
 #                          fail under valgrind; their outcome is reported,
-#                          not counted.
+#                          not counted. The servers they start themselves
+#                          (PgServer: the shared transport's worker, other
+#                          settings) run this build under valgrind too.
 #
 # Nothing is installed system-wide and the source tree is left alone: the
 # extension is built with -O0 -g (exact lines in the report) in a copy of
@@ -67,6 +70,7 @@ cleanup() {
 	if [ -n "${RL_VALGRIND_KEEP:-}" ] && [ -d "$VG_DIR" ]; then
 		mkdir -p "$RL_VALGRIND_KEEP" && cp -r "$VG_DIR"/. "$RL_VALGRIND_KEEP"/
 		[ -f "$BUILD/regression.diffs" ] && cp "$BUILD/regression.diffs" "$RL_VALGRIND_KEEP"/
+		cp "$RL_DIR/postgres.log" "$RL_VALGRIND_KEEP"/postgres-log.txt
 	fi
 	rl_cluster_stop
 }
@@ -145,8 +149,19 @@ VALGRIND=(
 	--suppressions="$VG_DIR/valgrind.supp"
 	--log-file="$VG_DIR/%p.log"
 )
+# the one way a server runs under valgrind here: this script, for the
+# cluster below and for the servers the pytest files start (conftest.py's
+# PgServer with RL_VALGRIND_POSTGRES), so that they run this build too
+VG_POSTGRES=$RL_DIR/postgres-under-valgrind
+{
+	echo '#!/bin/sh'
+	printf 'exec'
+	printf ' %q' "${VALGRIND[@]}" "$ROOT$PGBIN/postgres"
+	printf ' "$@"\n'
+} >"$VG_POSTGRES"
+chmod 755 "$VG_POSTGRES"
 echo "== starting PostgreSQL under valgrind (port $RL_PGPORT)"
-rl_as_owner "${VALGRIND[@]}" "$ROOT$PGBIN/postgres" -D "$RL_DIR/pgdata" \
+rl_as_owner "$VG_POSTGRES" -D "$RL_DIR/pgdata" \
 	>>"$RL_DIR/postgres.log" 2>&1 </dev/null &
 vg_pid=$!
 ready=
@@ -201,7 +216,8 @@ pytest_status=-
 if [ -n "${RL_VALGRIND_PYTEST:-}" ]; then
 	echo "== pytest under valgrind: $RL_VALGRIND_PYTEST"
 	# shellcheck disable=SC2086
-	/usr/bin/python3 -m pytest -q -p no:cacheprovider $RL_VALGRIND_PYTEST \
+	RL_VALGRIND_POSTGRES=$VG_POSTGRES \
+		/usr/bin/python3 -m pytest -q -p no:cacheprovider $RL_VALGRIND_PYTEST \
 		>"$VG_DIR/pytest.out" 2>&1
 	pytest_status=$?
 	grep -E '^(FAILED|ERROR|E  )|passed|failed' "$VG_DIR/pytest.out" | tail -40
@@ -267,5 +283,8 @@ echo "== valgrind report (sources of this build: $BUILD/src)"
 	sys.exit(1 if hits else 0)
 EOF
 status=$?
+# what ran under valgrind: the failure reports the servers logged (the
+# servers of PgServer log under $RL_DIR/pg-*, removed after each module)
+echo "== failure reports in the log: $(grep -c 'CONTEXT:  rl_redis ' "$RL_DIR/postgres.log") with an rl_redis CONTEXT, $(grep -c ' HINT:  ' "$RL_DIR/postgres.log") with a HINT"
 echo "== done: valgrind status $status, pg_regress status $regress_status, pytest status $pytest_status"
 exit $status
