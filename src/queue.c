@@ -171,7 +171,7 @@ rl_queue_push(RlConn *conn, int argc, const char **argv,
 			palloc(sizeof(int) * conn->queue_max);
 		conn->queue_flags = conn->queue_flags ?
 			repalloc(conn->queue_flags, sizeof(uint8) * conn->queue_max) :
-			palloc(sizeof(bool) * conn->queue_max);
+			palloc(sizeof(uint8) * conn->queue_max);
 		conn->queue_tries = conn->queue_tries ?
 			repalloc(conn->queue_tries, sizeof(uint8) * conn->queue_max) :
 			palloc(sizeof(uint8) * conn->queue_max);
