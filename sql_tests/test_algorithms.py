@@ -215,7 +215,36 @@ def test_many_sessions_one_identity(pg, algorithm):
     assert (allowed_now, lim_now, remaining) == (True, lim, 0)
     allowed_now, _, remaining, _, retry = decide(pg, algorithm, identity, lim, DAY_MS)
     assert allowed_now is False and remaining == 0
-    assert 0 < retry <= DAY_MS
+    assert 0 < retry <= longest_retry(algorithm, lim, DAY_MS, 1)
+
+
+def longest_retry(algorithm, lim, window_ms, cost):
+    """The longest retry_after_ms a denied call of `cost` can get while
+    `cost <= lim`: a window, except for the sliding counter, whose full
+    window keeps weighing on the next one until cost/lim of it has passed."""
+    if algorithm == "sliding_counter":
+        return window_ms + -(-window_ms * cost // lim)
+    return window_ms
+
+
+def test_sliding_counter_retry_reaches_into_the_next_window(pg, fixed_clock):
+    """A counter filled just after its window started: the retry runs to
+    the window's end and then W * cost / lim into the next one, more than
+    one window (the case test_many_sessions_one_identity meets in the
+    first 14 minutes after midnight UTC)."""
+    W, lim = DAY_MS, 100
+    start = TEST_CLOCK_MS // W * W
+    fixed_clock(start + 1000)
+    identity = new_ident("sc_retry")
+    assert decide(pg, "sliding_counter", identity, lim, W, lim)[0] is True
+    allowed, _, remaining, _, retry = decide(pg, "sliding_counter", identity, lim, W)
+    assert (allowed, remaining) == (False, 0)
+    assert retry == W - 1000 + W // lim
+    assert retry > W and retry <= longest_retry("sliding_counter", lim, W, 1)
+    fixed_clock(start + 1000 + retry - 1)
+    assert decide(pg, "sliding_counter", identity, lim, W)[0] is False
+    fixed_clock(start + 1000 + retry)
+    assert decide(pg, "sliding_counter", identity, lim, W)[0] is True
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
