@@ -218,12 +218,8 @@ rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 	MemoryContext old;
 	TimestampTz start;
 
-	if (limit->window_ms > rl_max_lease)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lease_ms " INT64_FORMAT " is longer than rl_redis.max_lease (%d ms)",
-						limit->window_ms, rl_max_lease),
-				 errdetail("A slot whose holder never gives it back stays taken for its whole lease.")));
+	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, false);
+	rl_check_limit(limit);
 
 	/* unique across backends, servers and calls */
 	snprintf(token, sizeof(token), "%d:" INT64_FORMAT ":" UINT64_FORMAT ":%08x",
@@ -268,7 +264,7 @@ rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 		/* Redis may have given the slot before the call failed: give it back */
 		rl_release_asking();
 		rl_stats_failed(key->data, key->len, &failure, true);
-		rl_apply_on_error(&failure, limit->lim, 1, d);
+		rl_apply_on_error(&failure, limit, 1, d);
 		rl_context_pop(&ctx);
 		rl_stats_decided(key->data, key->len, d, 1, 0);
 		return;
@@ -293,27 +289,13 @@ rl_take_slot(const char *policy, text *identity, const RlLimit *limit,
 static void
 rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0, false);
+	text	   *identity = rl_get_identity(fcinfo, 0);
 	RlLimit		limit = {NULL, 0, 0, 0};
 
-	if (PG_ARGISNULL(1))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("lim must not be null")));
-	if (PG_ARGISNULL(2))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("lease_ms must not be null")));
+	rl_check_not_null(fcinfo, 1, "lim");
+	rl_check_not_null(fcinfo, 2, "lease_ms");
 	limit.lim = PG_GETARG_INT32(1);
 	limit.window_ms = PG_GETARG_INT64(2);
-	if (limit.lim <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lim must be greater than zero")));
-	if (limit.window_ms <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lease_ms must be greater than zero")));
 	rl_take_slot(NULL, identity, &limit, d);
 }
 
@@ -322,7 +304,7 @@ static void
 rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
 {
 	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
-	text	   *identity = rl_get_identity(fcinfo, 1, false);
+	text	   *identity = rl_get_identity(fcinfo, 1);
 
 	if (!policy.concurrency)
 		ereport(ERROR,
@@ -351,6 +333,7 @@ rl_release_slot(const char *policy, text *identity)
 	RlCallContext ctx;
 	bool		released;
 
+	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, true);
 	initStringInfo(&owner);
 	rl_slot_owner(&owner, policy, identity);
 	foreach(lc, held_slots)
@@ -435,7 +418,7 @@ PG_FUNCTION_INFO_V1(rl_concurrency_release);
 Datum
 rl_concurrency_release(PG_FUNCTION_ARGS)
 {
-	PG_RETURN_BOOL(rl_release_slot(NULL, rl_get_identity(fcinfo, 0, true)));
+	PG_RETURN_BOOL(rl_release_slot(NULL, rl_get_identity(fcinfo, 0)));
 }
 
 PG_FUNCTION_INFO_V1(rl_acquire);
@@ -473,5 +456,5 @@ rl_release(PG_FUNCTION_ARGS)
 {
 	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
 
-	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1, true)));
+	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1)));
 }

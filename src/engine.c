@@ -82,18 +82,14 @@ rl_check_identity(size_t len, Relation rel, bool existing)
 }
 
 /*
- * Returns argument argno as an identity (not null, see rl_check_identity;
- * existing: it only names state that exists).
+ * Returns argument argno as an identity, not null; its bounds are checked
+ * where it is used (rl_check_identity).
  */
 text *
-rl_get_identity(FunctionCallInfo fcinfo, int argno, bool existing)
+rl_get_identity(FunctionCallInfo fcinfo, int argno)
 {
-	text	   *identity;
-
 	rl_check_not_null(fcinfo, argno, "identity");
-	identity = PG_GETARG_TEXT_PP(argno);
-	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, existing);
-	return identity;
+	return PG_GETARG_TEXT_PP(argno);
 }
 
 /* Returns argument argno as a cost (or amount): not null, not negative. */
@@ -116,7 +112,9 @@ rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name)
  * positive, window_ms at most 100 years, a burst (non-zero) only for a
  * bucket and then positive, the whole burst refilled within 100 years (so
  * that every time the scripts compute is exact in a double and every
- * expiry fits), a sliding log no longer than rl_redis.sliding_max_lim.
+ * expiry fits), a sliding log no longer than rl_redis.sliding_max_lim. A
+ * concurrency limit (no algorithm): lim slots, positive, and a lease
+ * (window_ms) positive and at most rl_redis.max_lease.
  */
 void
 rl_check_limit(const RlLimit *limit)
@@ -130,7 +128,18 @@ rl_check_limit(const RlLimit *limit)
 	if (limit->window_ms <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("window_ms must be greater than zero")));
+				 errmsg("%s must be greater than zero",
+						limit->algorithm ? "window_ms" : "lease_ms")));
+	if (limit->algorithm == NULL)
+	{
+		if (limit->window_ms > rl_max_lease)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("lease_ms " INT64_FORMAT " is longer than rl_redis.max_lease (%d ms)",
+							limit->window_ms, rl_max_lease),
+					 errdetail("A slot whose holder never gives it back stays taken for its whole lease.")));
+		return;
+	}
 	if (limit->window_ms > RL_MAX_WINDOW_MS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -164,13 +173,16 @@ rl_check_limit(const RlLimit *limit)
 }
 
 /*
- * Applies rl_redis.on_error to a failed call: raises the failure, or logs it
- * and fills d with the configured decision.
+ * Applies rl_redis.on_error to a failed call of cost units under limit:
+ * raises the failure, or logs it and fills d with the configured decision
+ * (its lim is the limit's capacity, as Redis would have said).
  */
 void
-rl_apply_on_error(const RlFailure *failure, int32 lim, int32 cost,
+rl_apply_on_error(const RlFailure *failure, const RlLimit *limit, int32 cost,
 				  RlDecision *d)
 {
+	int32		lim = limit->burst > 0 ? limit->burst : limit->lim;
+
 	if (rl_on_error == RL_ON_ERROR_ERROR)
 		rl_raise(failure);
 
@@ -437,7 +449,7 @@ rl_tighter(const RlDecision *a, const RlDecision *b)
 	return a->reset_ms > b->reset_ms;
 }
 
-/* A several-slots decision of rl_decide_many while its calls are out. */
+/* A several-slots decision of rl_decide_all while its calls are out. */
 typedef struct RlSplit
 {
 	RlCharge   *charges;		/* the caller's */
@@ -455,7 +467,7 @@ typedef struct RlSplit
 /*
  * Takes in the replies of a several-slots decision (interrupted: an
  * interrupt ended rl_call_many, and some calls have no reply): fills d,
- * *index and failure as rl_decide_many says and gives back or remembers the
+ * *index and failure as rl_decide_charges says and gives back or remembers the
  * slots' charges. Frees the replies; raises only when out of memory.
  */
 static bool
@@ -525,7 +537,7 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
  * Decides n charges (a limit, a key and a cost each; cost < 0 gives back):
  * applied to all or to none. Fills d with the most restrictive result and
  * *index with its charge, and remembers the charges for a refund on abort
- * (by_guard: made by a guard). False, with failure filled in, when Redis
+ * (by: who made them). False, with failure filled in, when Redis
  * gave no decision.
  *
  * Keys of one hash slot go in one script call, which is atomic. Keys in
@@ -537,7 +549,7 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
  * once. Meanwhile another caller may see them taken.
  */
 static bool
-rl_decide_charges(RlCharge *charges, int n, bool by_guard, RlDecision *d,
+rl_decide_charges(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 				  int *index, RlFailure *failure)
 {
 	RlSplit		sp;
@@ -556,8 +568,6 @@ rl_decide_charges(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 			break;
 	if (j >= n)
 	{
-		RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
-
 		if (!rl_decide_group(charges, n, rl_refund_scopes(by), d, index, failure))
 			return false;
 		if (d->allowed)
@@ -573,7 +583,7 @@ rl_decide_charges(RlCharge *charges, int n, bool by_guard, RlDecision *d,
 	 * once when a slot denies or fails, or an interrupt ends the call.
 	 */
 	sp.charges = charges;
-	sp.by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
+	sp.by = by;
 	sp.covered = rl_refund_covers(sp.by);
 	scopes = sp.covered ? rl_refund_scopes(sp.by) : rl_refund_call_scope(sp.callscope);
 	scopes = pstrdup(scopes);
@@ -659,20 +669,21 @@ rl_count_fallback(RlCharge *charges, int n, const RlDecision *d)
 
 /*
  * Decides n charges as rl_decide_charges does. When Redis gives no
- * decision, rl_redis.on_error decides d (for lim and cost), and *index is 0.
+ * decision, rl_redis.on_error decides d (as for the first charge), and
+ * *index is 0.
  */
-void
-rl_decide_many(RlCharge *charges, int n, bool by_guard, int32 lim,
-			   int32 cost, RlDecision *d, int *index)
+static void
+rl_decide_all(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
+			  int *index)
 {
 	RlFailure	failure = {0};
 	RlCallContext ctx;
 
 	rl_context_push(&ctx, "decision", charges[0].limit->algorithm->name,
 					charges[0].key->data, charges[0].key->len, n - 1);
-	if (!rl_decide_charges(charges, n, by_guard, d, index, &failure))
+	if (!rl_decide_charges(charges, n, by, d, index, &failure))
 	{
-		rl_apply_on_error(&failure, lim, cost, d);
+		rl_apply_on_error(&failure, charges[0].limit, charges[0].cost, d);
 		rl_count_fallback(charges, n, d);
 		*index = 0;
 	}
@@ -680,14 +691,12 @@ rl_decide_many(RlCharge *charges, int n, bool by_guard, int32 lim,
 }
 
 /*
- * Runs limit's script for identity and fills d; cost < 0 gives units back.
- * The key is the policy's (policy not NULL) or the explicit limit's. An
- * allowed charge is remembered for a refund on abort (by_guard: made by a
- * guard). Applies on_error when Redis fails.
+ * Runs the script of charge c's limit for its identity and fills d; a
+ * negative cost gives units back. An allowed charge is remembered for a
+ * refund on abort (by: who made it). Applies on_error when Redis fails.
  */
-void
-rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
-				int32 cost, bool by_guard, RlDecision *d)
+static void
+rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 {
 	const char *argv[11];
 	size_t		argvlen[11];
@@ -696,8 +705,9 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 				cost_s[16],
 				burst_s[16],
 				now_s[24];
-	StringInfo	key = rl_build_key(identity, policy, limit);
-	RlChargeBy	by = by_guard ? RL_BY_GUARD : RL_BY_CALL;
+	const RlLimit *limit = c->limit;
+	int32		cost = c->cost;
+	StringInfo	key = rl_build_key(c->identity, c->policy, limit);
 	const char *scopes = cost > 0 ? rl_refund_scopes(by) : "";
 	TimestampTz start;
 	int64		sent_ms;
@@ -747,8 +757,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
 	{
 		rl_stats_failed(key->data, key->len, &failure, true);
-		rl_apply_on_error(&failure, limit->burst > 0 ? limit->burst : limit->lim,
-						  cost, d);
+		rl_apply_on_error(&failure, limit, cost, d);
 		rl_context_pop(&ctx);
 		rl_stats_decided(key->data, key->len, d, cost, 0);
 		return;
@@ -762,8 +771,8 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 						cost, d, sent_ms, mark);
 	if (d->allowed && cost > 0)
 		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by);
-	else if (!d->allowed && cost > 0 && policy != NULL && rl_track_denials)
-		rl_note_denial(policy, identity);
+	else if (!d->allowed && cost > 0 && c->policy != NULL && rl_track_denials)
+		rl_note_denial(c->policy, c->identity);
 }
 
 /* the most keys one batch script call decides (it holds Redis meanwhile) */
@@ -783,7 +792,7 @@ rl_decide_limit(const RlLimit *limit, text *identity, const char *policy,
 /* A key of a batch: its hash slot and its place in the caller's array. */
 typedef RlHashSlotCharge RlBatchKey;
 
-/* A batch decision (rl_decide_batch) while it is sent. */
+/* A batch decision (rl_decide_each) while it is sent. */
 typedef struct RlBatch
 {
 	const RlLimit *limit;
@@ -1066,9 +1075,10 @@ rl_batch_call_bytes(const RlBatch *b, int c)
 }
 
 /*
- * Decides limit for each of n identities on its own, cost units each (not
- * all or nothing: each identity gets its own decision, in d[i]), on the
- * policy's keys (policy not NULL) or the explicit limit's. The keys of one
+ * Decides, for each of req's n identities on its own, the limit of its
+ * first charge, that charge's cost units each (not all or nothing: each
+ * identity gets its own decision, in d[i]), on the policy's keys (policy
+ * not NULL) or the explicit limit's. The keys of one
  * hash slot go in script calls of at most RL_BATCH_KEYS keys, and the
  * calls are pipelined (rl_call_many) in rounds of about RL_BATCH_ROUND
  * keys: one round trip per Redis node and round. The same identity given
@@ -1079,10 +1089,14 @@ rl_batch_call_bytes(const RlBatch *b, int c)
  * about 1 kB per script call, and the keys, arguments and replies of one
  * round.
  */
-void
-rl_decide_batch(const RlLimit *limit, text **identities, int n,
-				const char *policy, int32 cost, RlDecision *d)
+static void
+rl_decide_each(const RlRequest *req, RlDecision *d)
 {
+	const RlLimit *limit = req->charges[0].limit;
+	const char *policy = req->charges[0].policy;
+	int32		cost = req->charges[0].cost;
+	text	  **identities = req->identities;
+	int			n = req->n;
 	RlBatch		b;
 	const char *scopes = cost > 0 ? rl_refund_scopes(RL_BY_CALL) : "";
 	int			i,
@@ -1199,9 +1213,7 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 			rl_stats_failed(key->data, key->len, &b.failures[c], first_key);
 			rl_context_push(&ctx, cost < 0 ? "refund" : "decision",
 							limit->algorithm->name, key->data, key->len, 0);
-			rl_apply_on_error(&b.failures[c],
-							  limit->burst > 0 ? limit->burst : limit->lim,
-							  cost, &d[k->index]);
+			rl_apply_on_error(&b.failures[c], limit, cost, &d[k->index]);
 			rl_context_pop(&ctx);
 			rl_stats_decided(key->data, key->len, &d[k->index], cost, 0);
 			/* one warning per failure */
@@ -1212,12 +1224,75 @@ rl_decide_batch(const RlLimit *limit, text **identities, int n,
 }
 
 /*
+ * Checks every charge of req before anything is sent: its limit
+ * (rl_check_limit) and its identity (rl_check_identity: the bound of
+ * rl_redis.max_identity_bytes where the charge can make state, the largest
+ * one for a refund, which only touches state that exists).
+ */
+static void
+rl_check_request(const RlRequest *req)
+{
+	int			nlimits = req->kind == RL_DECIDE_EACH ? 1 : req->n;
+	int			i;
+
+	for (i = 0; i < nlimits; i++)
+		rl_check_limit(req->charges[i].limit);
+	for (i = 0; i < req->n; i++)
+	{
+		text	   *identity = req->kind == RL_DECIDE_EACH ?
+			req->identities[i] : req->charges[i].identity;
+
+		rl_check_identity(VARSIZE_ANY_EXHDR(identity), req->rel,
+						  req->charges[req->kind == RL_DECIDE_EACH ? 0 : i].cost < 0);
+	}
+}
+
+/*
+ * Decides the charges of req: the one entry point of every decision, refund
+ * and batch (the SQL functions, policies, several limits, guards). Checks
+ * every charge, makes its key (rl_build_key: the one key format, which
+ * carries the numbers the state is counted under), sends the algorithms'
+ * scripts (one call, several slots' calls, or a batch's pipelined calls),
+ * remembers what was taken for a refund on abort and applies
+ * rl_redis.on_error when Redis gives no decision. d: the decision (ONE),
+ * the most restrictive one (ALL), or one per identity (EACH). Returns the
+ * index of the charge that decided d (ALL), else 0.
+ */
+int
+rl_decide(const RlRequest *req, RlDecision *d)
+{
+	int			worst = 0;
+	int			i;
+
+	Assert(req->n > 0 && (req->kind != RL_DECIDE_ONE || req->n == 1));
+	rl_check_request(req);
+	switch (req->kind)
+	{
+		case RL_DECIDE_ONE:
+			rl_decide_one(&req->charges[0], req->by, d);
+			break;
+		case RL_DECIDE_ALL:
+			for (i = 0; i < req->n; i++)
+				req->charges[i].key =
+					rl_copy_key(rl_build_key(req->charges[i].identity,
+											 req->charges[i].policy,
+											 req->charges[i].limit));
+			rl_decide_all(req->charges, req->n, req->by, d, &worst);
+			break;
+		case RL_DECIDE_EACH:
+			rl_decide_each(req, d);
+			break;
+	}
+	return worst;
+}
+
+/*
  * The rows of a batch function (rl_check_many, rl_<algorithm>_many): decides
  * limit (on the policy's keys when policy is not NULL) for each identity of
  * the text array argument argno, cost units each, and returns one row per
  * element, in the array's order: (identity, allowed, lim, remaining,
- * reset_ms, retry_after_ms). Every element is checked before Redis is
- * asked anything.
+ * reset_ms, retry_after_ms). Every element is checked (rl_decide) before
+ * Redis is asked anything.
  */
 void
 rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
@@ -1247,13 +1322,19 @@ rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 					 errmsg("identities must not contain null")));
 		identities[i] = DatumGetTextPP(elems[i]);
-		rl_check_identity(VARSIZE_ANY_EXHDR(identities[i]), NULL, false);
 	}
 
 	InitMaterializedSRF(fcinfo, 0);
 	d = palloc(sizeof(RlDecision) * Max(n, 1));
 	if (n > 0)
-		rl_decide_batch(limit, identities, n, policy, cost, d);
+	{
+		RlCharge	charge = {limit, policy, NULL, cost};
+		RlRequest	req = {RL_DECIDE_EACH, &charge, n, identities, RL_BY_CALL, NULL};
+
+		rl_decide(&req, d);
+	}
+	else
+		rl_check_limit(limit);
 	for (i = 0; i < n; i++)
 	{
 		Datum		values[6];

@@ -17,7 +17,7 @@
 
 /*
  * Reads the limit (lim, window_ms [, burst]: arguments 1, 2 and 4) of the
- * explicit-limit SQL function being called into limit, and checks it.
+ * explicit-limit SQL function being called into limit (rl_decide checks it).
  */
 static void
 rl_limit_args(FunctionCallInfo fcinfo, int algorithm, RlLimit *limit)
@@ -35,7 +35,6 @@ rl_limit_args(FunctionCallInfo fcinfo, int algorithm, RlLimit *limit)
 		if (limit->burst <= 0)
 			limit->burst = -1;	/* rejected by rl_check_limit */
 	}
-	rl_check_limit(limit);
 }
 
 /*
@@ -47,14 +46,15 @@ rl_decide_args(FunctionCallInfo fcinfo, int algorithm, bool refund,
 			   RlDecision *d)
 {
 	RlLimit		limit;
-	text	   *identity;
-	int32		cost;
+	RlCharge	charge = {&limit};
+	RlRequest	req = {RL_DECIDE_ONE, &charge, 1, NULL, RL_BY_CALL, NULL};
 
-	identity = rl_get_identity(fcinfo, 0, refund);
+	charge.identity = rl_get_identity(fcinfo, 0);
 	rl_limit_args(fcinfo, algorithm, &limit);
-	cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
-
-	rl_decide_limit(&limit, identity, NULL, refund ? -cost : cost, false, d);
+	charge.cost = rl_get_cost(fcinfo, 3, refund ? "amount" : "cost");
+	if (refund)
+		charge.cost = -charge.cost;
+	rl_decide(&req, d);
 }
 
 /*
@@ -230,7 +230,7 @@ PG_FUNCTION_INFO_V1(rl_reset);
 Datum
 rl_reset(PG_FUNCTION_ARGS)
 {
-	text	   *identity = rl_get_identity(fcinfo, 0, true);
+	text	   *identity = rl_get_identity(fcinfo, 0);
 	RlFailure	failure = {0};
 	RlConn	  **conns;
 	int			n;
@@ -238,6 +238,8 @@ rl_reset(PG_FUNCTION_ARGS)
 	StringInfoData pattern;
 	StringInfoData tag;
 	char		cursor[32] = "0";
+
+	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, true);
 
 	/*
 	 * In cluster mode every master is scanned: the keys of the identity

@@ -135,7 +135,6 @@ rl_parse_limit_spec(const char *arg, RlLimit *limit)
 		limit->lim = (int32) lim;
 		limit->window_ms = window;
 		limit->burst = (int32) burst;
-		rl_check_limit(limit);
 		return true;
 	}
 	return false;
@@ -456,7 +455,7 @@ rl_guard_append(StringInfo buf, const char *value, int len, bool escape)
  * types through their output functions, under fixed settings when the
  * guard has a column whose text depends on them. Once the identity is
  * longer than rl_redis.max_identity_bytes, the columns after it are not
- * written (nor their output functions run): rl_check_identity refuses it.
+ * written (nor their output functions run): rl_decide refuses it.
  */
 static void
 rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
@@ -565,7 +564,6 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 	}
 	if (nestlevel >= 0)
 		AtEOXact_GUC(true, nestlevel);
-	rl_check_identity(buf->len, rel, false);
 }
 
 /*
@@ -639,11 +637,11 @@ rl_guard(PG_FUNCTION_ARGS)
 	rl_guard_identity(guard, rel, slot, &identity);
 	if (cost > 0)
 	{
-		text	   *identity_text = cstring_to_text_with_len(identity.data,
-															 identity.len);
+		RlCharge	charge = {&guard->limit, guard->policy,
+			cstring_to_text_with_len(identity.data, identity.len), cost};
+		RlRequest	req = {RL_DECIDE_ONE, &charge, 1, NULL, RL_BY_GUARD, rel};
 
-		rl_decide_limit(&guard->limit, identity_text, guard->policy, cost,
-						true, &d);
+		rl_decide(&req, &d);
 		if (!d.allowed)
 			rl_guard_denied(guard, rel, identity.data, &d);
 	}
@@ -686,6 +684,7 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	int			n = 0;
 	int			readptr;
 	int			worst;
+	RlRequest	req = {RL_DECIDE_ALL, NULL, 0, NULL, RL_BY_GUARD, rel};
 	RlDecision	d;
 
 	if (!TRIGGER_FIRED_FOR_STATEMENT(trigdata->tg_event) ||
@@ -754,7 +753,7 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 
 	/* identities of zero units are not charged */
 	list = palloc(sizeof(RlGroup *) * (n > 0 ? n : 1));
-	charges = palloc(sizeof(RlCharge) * (n > 0 ? n : 1));
+	charges = palloc0(sizeof(RlCharge) * (n > 0 ? n : 1));
 	n = 0;
 	hash_seq_init(&seq, groups);
 	while ((group = hash_seq_search(&seq)) != NULL)
@@ -765,9 +764,9 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 				continue;
 			list[n] = group;
 			charges[n].limit = &guard->limit;
-			charges[n].key = rl_copy_key(rl_build_key(cstring_to_text_with_len(group->identity,
-																				group->len),
-													  guard->policy, &guard->limit));
+			charges[n].policy = guard->policy;
+			charges[n].identity = cstring_to_text_with_len(group->identity,
+														   group->len);
 			charges[n].cost = (int32) group->units;
 			n++;
 		}
@@ -775,7 +774,9 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	if (n == 0)
 		return PointerGetDatum(NULL);
 
-	rl_decide_many(charges, n, true, guard->limit.lim, 0, &d, &worst);
+	req.charges = charges;
+	req.n = n;
+	worst = rl_decide(&req, &d);
 	if (!d.allowed)
 		rl_guard_denied(guard, rel, list[worst]->identity, &d);
 	return PointerGetDatum(NULL);

@@ -209,8 +209,6 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 		AcceptInvalidationMessages();
 	} while (generation != policy_generation);
 
-	if (!found.concurrency)
-		rl_check_limit(&found.limit);
 	rl_policy_refresh(fcinfo);
 	entry = hash_search(policy_cache, key, HASH_ENTER, NULL);
 	*entry = found;
@@ -264,11 +262,14 @@ static void
 rl_check_policy(FunctionCallInfo fcinfo, bool refund, RlDecision *d)
 {
 	RlPolicy	policy = rl_rate_policy_arg(fcinfo, 0);
-	text	   *identity = rl_get_identity(fcinfo, 1, refund);
-	int32		cost = rl_get_cost(fcinfo, 2, refund ? "amount" : "cost");
+	RlCharge	charge = {&policy.limit, policy.name};
+	RlRequest	req = {RL_DECIDE_ONE, &charge, 1, NULL, RL_BY_CALL, NULL};
 
-	rl_decide_limit(&policy.limit, identity, policy.name,
-					refund ? -cost : cost, false, d);
+	charge.identity = rl_get_identity(fcinfo, 1);
+	charge.cost = rl_get_cost(fcinfo, 2, refund ? "amount" : "cost");
+	if (refund)
+		charge.cost = -charge.cost;
+	rl_decide(&req, d);
 }
 
 PG_FUNCTION_INFO_V1(rl_check);
@@ -340,7 +341,7 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 	RlPolicy   *policies;
 	int			npolicies = 0;
 	RlCharge   *charges;
-	int			worst;
+	RlRequest	req = {RL_DECIDE_ALL, NULL, 0, NULL, RL_BY_CALL, NULL};
 	int			i,
 				j;
 
@@ -355,7 +356,7 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("policies must not be empty")));
-	identity = rl_get_identity(fcinfo, 1, false);
+	identity = rl_get_identity(fcinfo, 1);
 	cost = rl_get_cost(fcinfo, 2, "cost");
 
 	/* look every policy up, once each */
@@ -381,16 +382,17 @@ rl_check_policies(FunctionCallInfo fcinfo, RlDecision *d)
 			policies[npolicies++] = p;
 	}
 
-	charges = palloc(sizeof(RlCharge) * npolicies);
+	charges = palloc0(sizeof(RlCharge) * npolicies);
 	for (j = 0; j < npolicies; j++)
 	{
 		charges[j].limit = &policies[j].limit;
-		charges[j].key = rl_copy_key(rl_build_key(identity, policies[j].name,
-												  &policies[j].limit));
+		charges[j].policy = policies[j].name;
+		charges[j].identity = identity;
 		charges[j].cost = cost;
 	}
-	rl_decide_many(charges, npolicies, false, policies[0].limit.lim, cost, d,
-				   &worst);
+	req.charges = charges;
+	req.n = npolicies;
+	(void) rl_decide(&req, d);
 }
 
 PG_FUNCTION_INFO_V1(rl_check_all);

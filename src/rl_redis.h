@@ -673,6 +673,13 @@ struct RlLimit
 	int32		burst;			/* 0 when none */
 };
 
+/* Who made a charge, for rl_redis.refund_on_abort. */
+typedef enum RlChargeBy
+{
+	RL_BY_CALL,					/* a decision function */
+	RL_BY_GUARD					/* rl_guard or rl_guard_statement */
+} RlChargeBy;
+
 /* the key format (keys.c): what rl_parse_key finds in a key (pointers) */
 typedef struct RlKeyParts
 {
@@ -698,35 +705,58 @@ extern StringInfo rl_copy_key(StringInfo key);
 extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 							  const char *name);
 extern void rl_check_identity(size_t len, Relation rel, bool existing);
-extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno,
-							 bool existing);
+extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void rl_check_limit(const RlLimit *limit);
-extern void rl_decide_batch(const RlLimit *limit, text **identities, int n,
-							const char *policy, int32 cost, RlDecision *d);
 extern void rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 						  const char *policy, int argno, int32 cost);
-extern void rl_decide_limit(const RlLimit *limit, text *identity,
-							const char *policy, int32 cost, bool by_guard,
-							RlDecision *d);
 
-/* One limit to charge in a several-limits call. */
+/*
+ * One charge: cost units of an identity under a limit (a policy's, or
+ * explicit numbers). rl_decide fills in the rest.
+ */
 typedef struct RlCharge
 {
 	const RlLimit *limit;
-	StringInfo	key;
+	const char *policy;			/* the limit's policy; NULL: explicit numbers */
+	text	   *identity;
 	int32		cost;			/* < 0 gives units back */
+	StringInfo	key;			/* filled in: the key (rl_build_key) */
 	int64		stamp_us;		/* filled in: the clock it was decided on */
 	int64		epoch;			/* filled in: the key's epoch */
 	bool		failed;			/* filled in: Redis gave it no decision */
 } RlCharge;
 
+/* How rl_decide decides the charges of a request. */
+typedef enum RlRequestKind
+{
+	RL_DECIDE_ONE,				/* charges[0] (n = 1) */
+	RL_DECIDE_ALL,				/* charges[0..n-1], applied to all or to none */
+	RL_DECIDE_EACH				/* identities[0..n-1], each on its own, under
+								 * charges[0]'s limit, policy and cost (its
+								 * identity unused): a batch */
+} RlRequestKind;
+
+/*
+ * What every SQL entry point that charges an identity hands to rl_decide,
+ * the one place where charges are checked, keyed, sent and remembered.
+ */
+typedef struct RlRequest
+{
+	RlRequestKind kind;
+	RlCharge   *charges;
+	int			n;				/* charges (ONE, ALL) or identities (EACH) */
+	text	  **identities;		/* EACH */
+	RlChargeBy	by;				/* who charges, for refund_on_abort */
+	Relation	rel;			/* the guarded table the identities come
+								 * from (named in errors), or NULL */
+} RlRequest;
+
+extern int	rl_decide(const RlRequest *req, RlDecision *d);
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
-extern void rl_decide_many(RlCharge *charges, int n, bool by_guard,
-						   int32 lim, int32 cost, RlDecision *d, int *index);
-extern void rl_apply_on_error(const RlFailure *failure, int32 lim,
+extern void rl_apply_on_error(const RlFailure *failure, const RlLimit *limit,
 							  int32 cost, RlDecision *d);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);
@@ -746,13 +776,6 @@ extern RlPolicy rl_policy_arg(FunctionCallInfo fcinfo, int argno);
 extern RlLimit rl_policy_find(FunctionCallInfo fcinfo, const char *name);
 
 /* refunds on abort (refund.c) */
-
-/* Who made a charge, for rl_redis.refund_on_abort. */
-typedef enum RlChargeBy
-{
-	RL_BY_CALL,					/* a decision function */
-	RL_BY_GUARD					/* rl_guard or rl_guard_statement */
-} RlChargeBy;
 
 extern void rl_refund_xact_end(XactEvent event);
 extern void rl_refund_subxact_end(SubXactEvent event);
