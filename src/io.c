@@ -147,6 +147,28 @@ rl_io_read(RlConn *conn, char *buf, size_t len, uint32 *want, char *errbuf,
 }
 
 /*
+ * Waits for the socket events in want until deadline (rl_wait); true when
+ * they came. When the deadline passed: with patient, false with
+ * failure->sqlerrcode 0 and the connection kept; else false with a timeout
+ * failure (message: a format taking the server's address) and the
+ * connection discarded.
+ */
+static bool
+rl_wait_or_time_out(RlConn *conn, uint32 want, TimestampTz deadline,
+					bool patient, RlFailure *failure, const char *message)
+{
+	if (rl_wait(conn, want, deadline))
+		return true;
+	if (patient)
+		failure->sqlerrcode = 0;
+	else
+		rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
+					 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT,
+					 NULL, message, conn->address);
+	return false;
+}
+
+/*
  * Writes len bytes of buf, counting in *done how many went out; false (with
  * the failure filled in and the connection discarded) on error. With
  * patient, a deadline that passes is not an error: false with
@@ -169,19 +191,9 @@ rl_write(RlConn *conn, const char *buf, size_t len, size_t *done,
 			*done += n;
 		else if (n == RL_IO_WAIT)
 		{
-			if (!rl_wait(conn, want, deadline))
-			{
-				if (patient)
-				{
-					failure->sqlerrcode = 0;
-					return false;
-				}
-				rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
-							 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT,
-							 NULL, "timed out sending to Redis at %s",
-							 conn->address);
+			if (!rl_wait_or_time_out(conn, want, deadline, patient, failure,
+									 "timed out sending to Redis at %s"))
 				return false;
-			}
 		}
 		else
 		{
@@ -254,19 +266,9 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 						 "could not receive from Redis at %s", conn->address);
 			return NULL;
 		}
-		else if (!rl_wait(conn, want, deadline))
-		{
-			if (patient)
-			{
-				failure->sqlerrcode = 0;
-				return NULL;
-			}
-			rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
-						 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT,
-						 NULL, "timed out waiting for a reply from Redis at %s",
-						 conn->address);
+		else if (!rl_wait_or_time_out(conn, want, deadline, patient, failure,
+									  "timed out waiting for a reply from Redis at %s"))
 			return NULL;
-		}
 	}
 }
 
