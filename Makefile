@@ -21,6 +21,8 @@ OBJS = \
 	src/xact_queue.o \
 	src/command.o \
 	src/scripts.o \
+	src/cluster.o \
+	src/sentinel.o \
 	src/router.o \
 	src/refund.o \
 	src/denials.o \

@@ -216,6 +216,15 @@ extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
 extern bool rl_parse_redirect_node(const char *s, const char *default_host,
 								   char *host, int *port);
 
+/* A seed: a server rl_redis.nodes (or host and port) names. */
+typedef struct RlSeed
+{
+	char		host[RL_ADDRESS_LEN];
+	int			port;
+} RlSeed;
+
+extern int	rl_seeds(RlSeed *seeds);
+
 /* What went wrong in a failed Redis call, for operators and statistics. */
 typedef enum RlFailureKind
 {
@@ -440,6 +449,8 @@ typedef struct RlRedirect
 extern RlReplyError rl_classify_error(const char *error, const char *from_host,
 									  RlRedirect *to);
 extern bool rl_error_not_run(RlReplyError what);
+extern bool rl_reply_scalar(const redisReply *reply);
+extern long long rl_reply_number(const redisReply *reply);
 
 /* scripts and algorithms (scripts.c) */
 typedef struct RlScript
@@ -496,8 +507,24 @@ extern redisReply *rl_run_script_asking(RlConn *conn, const RlScript *script,
 										size_t *argvlen, RlFailure *failure);
 extern size_t rl_clock_arg(char *buf);
 
-/* where a key goes, by rl_redis.mode (router.c) */
+/* Redis Cluster's slot map (cluster.c) */
 extern int	rl_key_hash_slot(const char *key, size_t len);
+extern RlConn *rl_cluster_route(const char *key, size_t keylen,
+								bool *may_ask, RlFailure *failure);
+extern RlConn *rl_cluster_known(const char *key, size_t keylen);
+extern int	rl_cluster_masters(RlConn ***conns, RlFailure *failure);
+extern void rl_cluster_failed(RlConn *conn);
+extern RlConn *rl_cluster_redirect(const RlRedirect *to, bool moved);
+extern void rl_cluster_forget(void);
+
+/* the master the sentinels name (sentinel.c) */
+extern RlConn *rl_sentinel_route(const char *key, size_t keylen,
+								 bool *may_ask, RlFailure *failure);
+extern RlConn *rl_sentinel_known(const char *key, size_t keylen);
+extern void rl_sentinel_failed(RlConn *conn);
+extern void rl_sentinel_forget(void);
+
+/* where a key goes, by rl_redis.mode (router.c) */
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
 extern RlConn *rl_route_known(const char *key, size_t keylen);
 extern int	rl_route_hash_slot(const char *key, size_t keylen);
