@@ -1,8 +1,8 @@
 /*
  * resp.c
  *	  The Redis protocol (RESP) as the connections write it: a command
- *	  encoded, and an encoded EVAL taken apart again; and what an error
- *	  reply means, from one table.
+ *	  encoded, and an encoded EVAL taken apart again; a reply's number; and
+ *	  what an error reply means, from one table.
  *
  * We use hiredis only to parse replies (redisReader); the commands are
  * encoded here. Nothing here knows a connection.

@@ -1,19 +1,16 @@
 /*
  * router.c
- *	  Which connection a key goes to, by rl_redis.mode, and calls that follow
- *	  Redis Cluster's redirections and a Sentinel failover.
+ *	  Which connection a key goes to, by the topology rl_redis.mode names,
+ *	  and calls that follow Redis Cluster's redirections and a Sentinel
+ *	  failover.
  *
- * standalone: every key goes to the configured server (rl_redis.host,
- * rl_redis.port), as before there were modes. cluster: the master of the
- * key's hash slot (cluster.c). sentinel: the master the sentinels name
- * (sentinel.c).
- *
- * In cluster mode, a MOVED reply sends the call to the node named, and an
- * ASK reply sends ASKING and the call to it; TRYAGAIN and CLUSTERDOWN are
- * retried with a growing pause within rl_redis.command_timeout; a
- * CLUSTERDOWN or READONLY reply or a connection that failed asks for a
- * fresh map. In sentinel mode a READONLY reply or a connection that failed
- * makes the next call ask the sentinels again.
+ * The topology (topology.c: standalone.c, cluster.c, sentinel.c) says where
+ * a key goes and what an error reply means; the calls here follow it. A
+ * redirection (MOVED, or ASK with ASKING) sends the call to the node
+ * named; TRYAGAIN and CLUSTERDOWN are retried with a growing pause within
+ * rl_redis.command_timeout; a READONLY reply or a connection that failed
+ * makes the route ask again (a fresh slot map, the sentinels), at most once
+ * per call; a call follows at most RL_MAX_REDIRECTS redirections.
  *
  * A call is sent again only when it cannot have run: after a redirection
  * or a READONLY reply (Redis refused it before running it), or when it
@@ -60,23 +57,26 @@ static StringInfoData routing;
 
 /*
  * Takes in a change of the routing settings (mode, and the seeds outside
- * standalone mode): what was known about the old servers is forgotten and
+ * standalone mode): what every topology knew about the old servers is
+ * forgotten and
  * what their queues hold is dropped (rl_servers_changed). In standalone
  * mode rl_conn_get takes in a change of host or port itself.
  */
 static void
 rl_router_settings(void)
 {
+	const RlTopology *topology = rl_topology();
 	StringInfoData now;
+	int			i;
 
 	if (settings_seen == rl_settings_version())
 		return;
 	settings_seen = rl_settings_version();
 	initStringInfo(&now);
-	appendStringInfo(&now, "%d", rl_mode);
-	if (rl_mode != RL_MODE_STANDALONE && rl_nodes[0] != '\0')
+	appendStringInfoString(&now, topology->name);
+	if (!topology->one_server && rl_nodes[0] != '\0')
 		appendStringInfo(&now, "%c%s%c%s", 0, rl_nodes, 0, rl_sentinel_master);
-	else if (rl_mode != RL_MODE_STANDALONE)
+	else if (!topology->one_server)
 		appendStringInfo(&now, "%c%s%c%d%c%s", 0, rl_host, 0, rl_port, 0,
 						 rl_sentinel_master);
 	if (routing.data == NULL)
@@ -90,8 +90,9 @@ rl_router_settings(void)
 	else if (now.len != routing.len || memcmp(now.data, routing.data, now.len) != 0)
 	{
 		rl_servers_changed("the connection settings now name other Redis servers");
-		rl_cluster_forget();
-		rl_sentinel_forget();
+		for (i = 0; i < RL_NUM_MODES; i++)
+			if (rl_topologies[i].forget != NULL)
+				rl_topologies[i].forget();
 		resetStringInfo(&routing);
 		appendBinaryStringInfo(&routing, now.data, now.len);
 	}
@@ -110,12 +111,7 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 	RlConn	   *conn;
 
 	rl_router_settings();
-	if (rl_mode == RL_MODE_STANDALONE)
-		return rl_conn_get();
-	if (rl_mode == RL_MODE_SENTINEL)
-		conn = rl_sentinel_route(key, keylen, &may_ask, failure);
-	else
-		conn = rl_cluster_route(key, keylen, &may_ask, failure);
+	conn = rl_topology()->route(key, keylen, &may_ask, failure);
 	/* one warning per outage (on_error allow or deny), not one per call */
 	if (conn == NULL)
 	{
@@ -134,21 +130,17 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 RlConn *
 rl_route_known(const char *key, size_t keylen)
 {
-	if (rl_mode == RL_MODE_STANDALONE)
-		return rl_conn_current();
-	if (rl_mode == RL_MODE_SENTINEL)
-		return rl_sentinel_known(key, keylen);
-	return rl_cluster_known(key, keylen);
+	return rl_topology()->known(key, keylen);
 }
 
 /*
- * The hash slot of key in cluster mode, else 0: the keys of one call must
- * share it.
+ * The hash slot of key when keys are placed by hash slot (cluster mode),
+ * else 0: the keys of one call must share it.
  */
 int
 rl_route_hash_slot(const char *key, size_t keylen)
 {
-	return rl_mode == RL_MODE_CLUSTER ? rl_key_hash_slot(key, keylen) : 0;
+	return rl_topology()->hash_slots ? rl_key_hash_slot(key, keylen) : 0;
 }
 
 /*
@@ -159,8 +151,10 @@ rl_route_hash_slot(const char *key, size_t keylen)
 int
 rl_route_all(RlConn ***conns, RlFailure *failure)
 {
+	const RlTopology *topology = rl_topology();
+
 	may_ask = true;
-	if (rl_mode != RL_MODE_CLUSTER)
+	if (topology->masters == NULL)
 	{
 		RlConn	   *conn = rl_route("", 0, failure);
 
@@ -171,7 +165,7 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 		return 1;
 	}
 	rl_router_settings();
-	return rl_cluster_masters(conns, failure);
+	return topology->masters(conns, failure);
 }
 
 /*
@@ -181,10 +175,10 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 static void
 rl_route_failed(RlConn *conn)
 {
-	if (rl_mode == RL_MODE_CLUSTER)
-		rl_cluster_failed(conn);
-	else if (rl_mode == RL_MODE_SENTINEL)
-		rl_sentinel_failed(conn);
+	const RlTopology *topology = rl_topology();
+
+	if (topology->failed != NULL)
+		topology->failed(conn);
 }
 
 /* Sleeps ms, or less when an interrupt comes (it is serviced). */
@@ -228,8 +222,9 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 		const char **argv, size_t *argvlen, RlConn **connp,
 		RlFailure *failure)
 {
-	RlConn	   *ask = NULL;
-	RlConn	   *moved = NULL;
+	const RlTopology *topology = rl_topology();
+	RlConn	   *next = NULL;	/* where a redirection sends the call */
+	bool		asking = false;
 	int			tries = 0;
 	long		backoff = 10;
 	int			timeout = rl_command_timeout > 0 ? rl_command_timeout : 2000;
@@ -237,7 +232,8 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 													   timeout);
 
 	may_ask = true;
-	if (rl_mode == RL_MODE_CLUSTER)
+	/* keys on several masters: what the others' queues hold goes first */
+	if (topology->hash_slots)
 		rl_send_queued(NULL);
 
 	/*
@@ -245,7 +241,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 	 * session's own connection has transaction-end work to send first.
 	 */
 	if (script != NULL && rl_transport == RL_TRANSPORT_SHARED &&
-		rl_mode == RL_MODE_STANDALONE && rl_shared_reply_fits(script, argv))
+		topology->one_server && rl_shared_reply_fits(script, argv))
 	{
 		RlConn	   *own = rl_conn_get();
 		bool		used = false;
@@ -263,17 +259,17 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 	}
 	for (;;)
 	{
-		RlConn	   *conn = ask ? ask : moved ? moved : rl_route(key, keylen, failure);
+		RlConn	   *conn = next ? next : rl_route(key, keylen, failure);
 		redisReply *reply;
 		RlRedirect	to;
-		RlReplyError what;
+		RlReplyAction action;
 
 		*connp = conn;
 		if (conn == NULL)
 			return NULL;
-		if (ask != NULL && script != NULL)
+		if (asking && script != NULL)
 			reply = rl_run_script_asking(conn, script, argc, argv, argvlen, failure);
-		else if (ask != NULL)
+		else if (asking)
 		{
 			if (rl_asking(conn, &reply, failure))
 				reply = rl_command(conn, argc, argv, argvlen, failure);
@@ -282,9 +278,9 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 			reply = rl_run_script(conn, script, argc, argv, argvlen, failure);
 		else
 			reply = rl_command(conn, argc, argv, argvlen, failure);
-		ask = NULL;
-		moved = NULL;
-		if (rl_mode == RL_MODE_STANDALONE || ++tries > RL_MAX_REDIRECTS)
+		next = NULL;
+		asking = false;
+		if (++tries > RL_MAX_REDIRECTS)
 			return reply;
 
 		if (reply == NULL)
@@ -304,33 +300,39 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 		if (reply->type != REDIS_REPLY_ERROR)
 			return reply;
 
-		what = rl_classify_error(reply->str, rl_conn_host(conn), &to);
-		if (rl_mode == RL_MODE_CLUSTER && what == RL_REPLY_MOVED &&
-			(moved = rl_cluster_redirect(&to, true)) != NULL)
-			;
-		else if (rl_mode == RL_MODE_CLUSTER && what == RL_REPLY_ASK &&
-				 (ask = rl_cluster_redirect(&to, false)) != NULL)
-			;
-		else if (rl_mode == RL_MODE_CLUSTER &&
-				 (what == RL_REPLY_TRYAGAIN || what == RL_REPLY_CLUSTERDOWN))
+		action = rl_reply_action(rl_classify_error(reply->str,
+												   rl_conn_host(conn), &to));
+		switch (action)
 		{
-			long		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
-															   deadline);
-
-			if (left <= 0)
+			case RL_ACTION_GIVE_BACK:
 				return reply;
-			if (what == RL_REPLY_CLUSTERDOWN)
-				rl_cluster_failed(conn);
-			freeReplyObject(reply);
-			rl_pause(Min(backoff, left));
-			backoff = Min(backoff * 2, RL_MAX_BACKOFF_MS);
-			tries--;			/* bounded by the deadline instead */
-			continue;
+			case RL_ACTION_MOVED:
+			case RL_ACTION_ASK:
+				next = topology->redirect(&to, action == RL_ACTION_MOVED);
+				if (next == NULL)
+					return reply;
+				asking = (action == RL_ACTION_ASK);
+				break;
+			case RL_ACTION_LATER:
+			case RL_ACTION_LATER_FRESH:
+				{
+					long		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+																	   deadline);
+
+					if (left <= 0)
+						return reply;
+					if (action == RL_ACTION_LATER_FRESH)
+						rl_route_failed(conn);
+					freeReplyObject(reply);
+					rl_pause(Min(backoff, left));
+					backoff = Min(backoff * 2, RL_MAX_BACKOFF_MS);
+					tries--;	/* bounded by the deadline instead */
+					continue;
+				}
+			case RL_ACTION_FRESH:
+				rl_route_failed(conn);
+				break;
 		}
-		else if (what == RL_REPLY_READONLY)
-			rl_route_failed(conn);
-		else
-			return reply;
 		freeReplyObject(reply);
 	}
 }
@@ -421,14 +423,13 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 				calls[members[i]].sent = true;
 			continue;
 		}
-		if (rl_mode != RL_MODE_STANDALONE)
-			rl_route_failed(conns[c]);
+		rl_route_failed(conns[c]);
 		for (i = 0; i < k; i++)
 		{
 			calls[members[i]].failure = failure;
 			calls[members[i]].sent = rl_command_was_sent(conns[c]);
 			again[members[i]] = !rl_command_was_sent(conns[c]) &&
-				rl_mode != RL_MODE_STANDALONE;
+				!rl_topology()->one_server;
 			group[members[i]] = -1;
 			failure.first_in_outage = false;
 			failure.breaker_opened = false;
@@ -453,7 +454,7 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 			if (reply == NULL)
 			{
 				/* written: it may have run, so it is never sent again */
-				if (!lost && rl_mode != RL_MODE_STANDALONE)
+				if (!lost)
 					rl_route_failed(conns[c]);
 				lost = true;
 				calls[i].failure = failure;
@@ -512,7 +513,8 @@ rl_call_many(RlCall *calls, int n)
 	int			i;
 
 	may_ask = true;
-	if (rl_mode == RL_MODE_CLUSTER)
+	/* keys on several masters: what the others' queues hold goes first */
+	if (rl_topology()->hash_slots)
 		rl_send_queued(NULL);
 	for (i = 0; i < n; i++)
 	{
