@@ -10,7 +10,8 @@
  * named; TRYAGAIN and CLUSTERDOWN are retried with a growing pause within
  * rl_redis.command_timeout; a READONLY reply or a connection that failed
  * makes the route ask again (a fresh slot map, the sentinels), at most once
- * per call; a call follows at most RL_MAX_REDIRECTS redirections.
+ * per call; a call is sent at most RL_MAX_REDIRECTS times but for those
+ * pauses.
  *
  * A call is sent again only when it cannot have run: after a redirection
  * or a READONLY reply (Redis refused it before running it), or when it
@@ -58,9 +59,8 @@ static StringInfoData routing;
 /*
  * Takes in a change of the routing settings (mode, and the seeds outside
  * standalone mode): what every topology knew about the old servers is
- * forgotten and
- * what their queues hold is dropped (rl_servers_changed). In standalone
- * mode rl_conn_get takes in a change of host or port itself.
+ * forgotten and what their queues hold is dropped (rl_servers_changed). In
+ * standalone mode rl_conn_get takes in a change of host or port itself.
  */
 static void
 rl_router_settings(void)
@@ -345,8 +345,10 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
  * sets noscript[i] when Redis did not know the script after all (it was
  * flushed: the call did not run; the connection forgets the script) and
  * again[i] when the call did not run for another reason that a new route
- * may cure (a redirection, TRYAGAIN, READONLY, a connection that could
- * not be made in cluster or sentinel mode). A connection's failure is
+ * may cure (an error reply that says so, rl_error_not_run: rl_call, which
+ * sends it again, does what the topology makes of it; a connection that
+ * could not be made, where another route may come: cluster, sentinel).
+ * A connection's failure is
  * given to the first of its calls, and to the others without
  * first_in_outage and breaker_opened: warned of and counted once.
  */
