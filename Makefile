@@ -12,6 +12,7 @@ OBJS = \
 	src/breaker.o \
 	src/tls.o \
 	src/resp.o \
+	src/topology.o \
 	src/queue.o \
 	src/conn.o \
 	src/shared_queue.o \
@@ -21,6 +22,9 @@ OBJS = \
 	src/xact_queue.o \
 	src/command.o \
 	src/scripts.o \
+	src/standalone.o \
+	src/cluster.o \
+	src/sentinel.o \
 	src/router.o \
 	src/refund.o \
 	src/denials.o \

@@ -356,7 +356,7 @@ rl_settings_signature(StringInfo buf, RlConnKind kind)
 	else
 		appendStringInfo(buf, "%c%s%c%s%c%s%c%d", 0, rl_username, 0,
 						 rl_password, 0, rl_password_file, 0, rl_database);
-	if (rl_mode == RL_MODE_STANDALONE)
+	if (rl_topology()->one_server)
 		appendStringInfo(buf, "%c%s%c%d", 0, rl_host, 0, rl_port);
 }
 
@@ -408,7 +408,7 @@ rl_settings_hash(void)
 		MemoryContextSwitchTo(old);
 	}
 	rl_settings_signature(&buf, RL_CONN_SERVER);
-	appendStringInfo(&buf, "%c%d", 0, rl_mode);
+	appendStringInfo(&buf, "%c%s", 0, rl_topology()->name);
 	h = hash_bytes_extended((const unsigned char *) buf.data, buf.len, 0);
 	resetStringInfo(&buf);
 	return h;

@@ -1120,14 +1120,14 @@ rl_decide_each(const RlRequest *req, RlDecision *d)
 	{
 		b.keys[i].index = i;
 		b.keys[i].slot = 0;
-		if (rl_mode == RL_MODE_CLUSTER)
+		if (rl_topology()->hash_slots)
 		{
 			StringInfo	key = rl_build_key(identities[i], policy, limit);
 
 			b.keys[i].slot = rl_route_hash_slot(key->data, key->len);
 		}
 	}
-	if (rl_mode == RL_MODE_CLUSTER)
+	if (rl_topology()->hash_slots)
 		qsort(b.keys, n, sizeof(RlBatchKey), rl_hash_slot_charge_cmp);
 
 	/*

@@ -332,7 +332,6 @@ rl_redis_connections(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	static const char *const kinds[] = {"server", "master", "sentinel"};
-	static const char *const modes[] = {"standalone", "cluster", "sentinel"};
 	RlConnInfo	info;
 	int			n;
 
@@ -354,7 +353,7 @@ rl_redis_connections(PG_FUNCTION_ARGS)
 		}
 		else
 			nulls[4] = nulls[5] = nulls[6] = true;
-		values[7] = CStringGetTextDatum(modes[rl_mode]);
+		values[7] = CStringGetTextDatum(rl_topology()->name);
 		values[8] = Int32GetDatum(info.scripts_loaded);
 		values[9] = Int32GetDatum(RL_NUM_SCRIPTS);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);

@@ -433,6 +433,36 @@ rl_parse_redirect_node(const char *s, const char *default_host, char *host,
 	return rl_parse_node(s, strlen(s), host, port) && host[0] != '/';
 }
 
+/*
+ * Fills seeds (RL_MAX_SEEDS entries) with rl_redis.nodes, or host and port
+ * when it is empty; returns how many. The check hook made sure they parse.
+ */
+int
+rl_seeds(RlSeed *seeds)
+{
+	const char *p = rl_nodes;
+	int			n = 0;
+
+	if (p == NULL || p[0] == '\0')
+	{
+		strlcpy(seeds[0].host, rl_host, RL_ADDRESS_LEN);
+		seeds[0].port = rl_port;
+		return 1;
+	}
+	while (n < RL_MAX_SEEDS)
+	{
+		const char *comma = strchr(p, ',');
+		size_t		len = comma ? (size_t) (comma - p) : strlen(p);
+
+		if (rl_parse_node(p, len, seeds[n].host, &seeds[n].port))
+			n++;
+		if (comma == NULL)
+			break;
+		p = comma + 1;
+	}
+	return n;
+}
+
 /* Accepts rl_redis.nodes: empty, or "host:port" items separated by commas. */
 static bool
 check_nodes(char **newval, void **extra, GucSource source)

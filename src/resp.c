@@ -1,8 +1,8 @@
 /*
  * resp.c
  *	  The Redis protocol (RESP) as the connections write it: a command
- *	  encoded, and an encoded EVAL taken apart again; and what an error
- *	  reply means, from one table.
+ *	  encoded, and an encoded EVAL taken apart again; a reply's number; and
+ *	  what an error reply means, from one table.
  *
  * We use hiredis only to parse replies (redisReader); the commands are
  * encoded here. Nothing here knows a connection.
@@ -68,6 +68,32 @@ rl_split_eval(const char *cmd, size_t len, const char **body, size_t *bodylen,
 	*restlen = end - *rest;
 	*nargs = (int) n - 2;
 	return true;
+}
+
+/* True when reply is a string (bulk or status) or an integer. */
+bool
+rl_reply_scalar(const redisReply *reply)
+{
+	return reply->type == REDIS_REPLY_STRING ||
+		reply->type == REDIS_REPLY_STATUS || reply->type == REDIS_REPLY_INTEGER;
+}
+
+/* Returns a reply that rl_reply_scalar accepts as a number (-1 if not one). */
+long long
+rl_reply_number(const redisReply *reply)
+{
+	char		buf[24];
+	char	   *end;
+	long long	v;
+
+	if (reply->type == REDIS_REPLY_INTEGER)
+		return reply->integer;
+	if (reply->len == 0 || reply->len >= sizeof(buf))
+		return -1;
+	memcpy(buf, reply->str, reply->len);
+	buf[reply->len] = '\0';
+	v = strtoll(buf, &end, 10);
+	return *end == '\0' ? v : -1;
 }
 
 /* One line of the table of error replies: its text and what it means. */

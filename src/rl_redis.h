@@ -6,7 +6,8 @@
  *
  * src/algorithms.h   the table of algorithms, one line each, read by the C
  *                    files and by src/embed_lua.sh
- * src/guc.c          the rl_redis.* settings
+ * src/guc.c          the rl_redis.* settings, and the seeds they name
+ *                    (rl_seeds)
  * src/keys.c         the one format of the keys in Redis: built, parsed,
  *                    matched (rl_build_key, rl_parse_key, rl_key_of)
  * src/stats.c        counters of the decisions per database and policy
@@ -22,7 +23,13 @@
  * src/conn_internal.h, where struct RlConn is:
  * src/resp.c         the Redis protocol: a command encoded (RESP), and what
  *                    an error reply means (rl_classify_error, one table;
- *                    the target of MOVED and ASK)
+ *                    the target of MOVED and ASK); a reply's number
+ * src/topology.c     the three topologies of rl_redis.mode behind one
+ *                    interface (RlTopology) and the one reader of the mode
+ *                    (rl_topology); what each does with an error reply
+ *                    (rl_reply_action, one table). Their functions are in
+ *                    standalone.c, cluster.c and sentinel.c below; only
+ *                    router.c calls them
  * src/queue.c        the transaction-end queue of one connection: what
  *                    waits, was written, is confirmed or dropped (no I/O)
  * src/conn.c         the per-backend cache of connections (RlConn, by
@@ -35,18 +42,23 @@
  * src/idle.c         closing idle connections (rl_redis.idle_timeout, the
  *                    worker's idle timeout)
  * src/xact_queue.c   sending the queues at a transaction end, before the
- *                    next command and at exit; Cluster redirections of
- *                    queued work; the hand-over to the worker
+ *                    next command and at exit; redirections of queued work
+ *                    (rl_reply_action); the hand-over to the worker
  * src/command.c      a command or a pipeline on one connection (after the
  *                    work its transaction ends left), ASKING, a Redis error
  *                    reply as a failure
  *
  * src/scripts.c      the algorithms and the Lua script registry (EVALSHA,
  *                    reload on NOSCRIPT), the scripts' shared arguments
- * src/router.c       where a key goes by rl_redis.mode: the one server, the
- *                    master of its Redis Cluster hash slot (MOVED, ASK,
- *                    TRYAGAIN), or the master the sentinels name; batches
- *                    of calls pipelined per node
+ * src/standalone.c   the standalone topology: the one configured server
+ * src/cluster.c      the cluster topology: the slot map (CRC16, CLUSTER
+ *                    SLOTS, the node table, its refresh), a redirection's
+ *                    node
+ * src/sentinel.c     the sentinel topology: the master the sentinels name
+ * src/router.c       where a key goes, as the current topology says, and
+ *                    the calls that follow what an error reply means there
+ *                    (MOVED, ASK, TRYAGAIN, READONLY); batches of calls
+ *                    pipelined per node
  * src/worker.c       the rl_redis worker: sends the calls and the
  *                    transaction-end work of the shared queue's entries
  * src/refund.c       giving back what an aborted (sub)transaction took
@@ -99,7 +111,8 @@ typedef enum RlMode
 {
 	RL_MODE_STANDALONE,
 	RL_MODE_CLUSTER,
-	RL_MODE_SENTINEL
+	RL_MODE_SENTINEL,
+	RL_NUM_MODES
 } RlMode;
 
 /* rl_redis.transport */
@@ -215,6 +228,15 @@ extern bool rl_read_password(bool sentinel, bool log, char *buf, size_t size,
 extern bool rl_parse_node(const char *s, size_t len, char *host, int *port);
 extern bool rl_parse_redirect_node(const char *s, const char *default_host,
 								   char *host, int *port);
+
+/* A seed: a server rl_redis.nodes (or host and port) names. */
+typedef struct RlSeed
+{
+	char		host[RL_ADDRESS_LEN];
+	int			port;
+} RlSeed;
+
+extern int	rl_seeds(RlSeed *seeds);
 
 /* What went wrong in a failed Redis call, for operators and statistics. */
 typedef enum RlFailureKind
@@ -440,6 +462,59 @@ typedef struct RlRedirect
 extern RlReplyError rl_classify_error(const char *error, const char *from_host,
 									  RlRedirect *to);
 extern bool rl_error_not_run(RlReplyError what);
+extern bool rl_reply_scalar(const redisReply *reply);
+extern long long rl_reply_number(const redisReply *reply);
+
+/* the topologies of rl_redis.mode (topology.c) */
+
+/* the classes of RlReplyError */
+#define RL_REPLY_CLASSES (RL_REPLY_AUTH + 1)
+
+/* What a call does after an error reply of Redis (rl_reply_action). */
+typedef enum RlReplyAction
+{
+	RL_ACTION_GIVE_BACK,		/* the error is the call's reply */
+	RL_ACTION_LATER,			/* routed and sent again after a pause, within
+								 * command_timeout (TRYAGAIN) */
+	RL_ACTION_LATER_FRESH,		/* the same, with a fresh route
+								 * (CLUSTERDOWN) */
+	RL_ACTION_MOVED,			/* sent to the node named, which has the hash
+								 * slot now */
+	RL_ACTION_ASK,				/* sent once to the node named, after ASKING */
+	RL_ACTION_FRESH				/* a fresh route, and sent again (READONLY) */
+} RlReplyAction;
+
+/*
+ * A topology: where keys go and what an error reply means there. The
+ * functions are called by router.c only; a NULL one has nothing to do.
+ */
+typedef struct RlTopology
+{
+	const char *name;			/* as rl_redis.mode says it */
+	/* the connection of key's master, or NULL with failure filled in; it
+	 * may ask the servers (slot map, sentinels) only when *may_ask, which
+	 * it then clears */
+	RlConn	   *(*route) (const char *key, size_t keylen, bool *may_ask,
+						  RlFailure *failure);
+	/* the connection a call on key went to last, else NULL; no I/O */
+	RlConn	   *(*known) (const char *key, size_t keylen);
+	/* every master, as rl_route_all (NULL: the route of any key) */
+	int			(*masters) (RlConn ***conns, RlFailure *failure);
+	/* conn failed or refused a write: the next route asks again */
+	void		(*failed) (RlConn *conn);
+	/* the node a MOVED (moved) or ASK reply names, else NULL */
+	RlConn	   *(*redirect) (const RlRedirect *to, bool moved);
+	/* forgets what was learnt of the servers (they changed) */
+	void		(*forget) (void);
+	bool		hash_slots;		/* keys go to the master of their hash slot */
+	bool		one_server;		/* every key goes to rl_redis.host:port: no
+								 * other route; the shared worker may serve it */
+	RlReplyAction on_error[RL_REPLY_CLASSES];	/* what a class means */
+} RlTopology;
+
+extern const RlTopology rl_topologies[RL_NUM_MODES];
+extern const RlTopology *rl_topology(void);
+extern RlReplyAction rl_reply_action(RlReplyError what);
 
 /* scripts and algorithms (scripts.c) */
 typedef struct RlScript
@@ -496,8 +571,29 @@ extern redisReply *rl_run_script_asking(RlConn *conn, const RlScript *script,
 										size_t *argvlen, RlFailure *failure);
 extern size_t rl_clock_arg(char *buf);
 
-/* where a key goes, by rl_redis.mode (router.c) */
+/* the one configured server (standalone.c) */
+extern RlConn *rl_standalone_route(const char *key, size_t keylen,
+								   bool *may_ask, RlFailure *failure);
+extern RlConn *rl_standalone_known(const char *key, size_t keylen);
+
+/* Redis Cluster's slot map (cluster.c) */
 extern int	rl_key_hash_slot(const char *key, size_t len);
+extern RlConn *rl_cluster_route(const char *key, size_t keylen,
+								bool *may_ask, RlFailure *failure);
+extern RlConn *rl_cluster_known(const char *key, size_t keylen);
+extern int	rl_cluster_masters(RlConn ***conns, RlFailure *failure);
+extern void rl_cluster_failed(RlConn *conn);
+extern RlConn *rl_cluster_redirect(const RlRedirect *to, bool moved);
+extern void rl_cluster_forget(void);
+
+/* the master the sentinels name (sentinel.c) */
+extern RlConn *rl_sentinel_route(const char *key, size_t keylen,
+								 bool *may_ask, RlFailure *failure);
+extern RlConn *rl_sentinel_known(const char *key, size_t keylen);
+extern void rl_sentinel_failed(RlConn *conn);
+extern void rl_sentinel_forget(void);
+
+/* where a key goes, by the current topology (router.c) */
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);
 extern RlConn *rl_route_known(const char *key, size_t keylen);
 extern int	rl_route_hash_slot(const char *key, size_t keylen);

@@ -400,7 +400,7 @@ rl_shared_usable(uint64 settings, uint64 *gen, PGPROC **worker)
 	uint64		worker_settings;
 
 	if (rl_transport != RL_TRANSPORT_SHARED || queue == NULL || am_worker ||
-		rl_mode != RL_MODE_STANDALONE)
+		!rl_topology()->one_server)
 		return false;
 	if (!rl_worker_running(gen, &worker_settings, worker))
 		return false;

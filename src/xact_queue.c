@@ -70,21 +70,24 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 
 /*
  * A queued command k of conn got an error reply that says it was not run
- * (rl_error_not_run): a redirection of Redis Cluster ("MOVED <hash slot>
- * <host>:<port>" or "ASK ..."; an empty host is conn's), after which it
- * moves to the queue of the node named, after ASKING for ASK; or another
- * (TRYAGAIN, CLUSTERDOWN, READONLY, LOADING, MASTERDOWN: a hash slot being
- * moved, a failover, a server that is a replica now or not ready), after
- * which it waits in conn's queue for the session's next call there
- * (wait_for_call), which resolves the server's name again. Either way it
- * is sent at most RL_MAX_REQUEUE times. False when the error is none of
- * these, or the command went round too often.
+ * (rl_error_not_run): a redirection that the topology follows
+ * (rl_reply_action; Redis Cluster's "MOVED <hash slot> <host>:<port>" or
+ * "ASK ..."; an empty host is conn's), after which it moves to the queue
+ * of the node named, after ASKING for ASK; or another (TRYAGAIN,
+ * CLUSTERDOWN, READONLY, LOADING, MASTERDOWN: a hash slot being moved, a
+ * failover, a server that is a replica now or not ready), after which it
+ * waits in conn's queue for the session's next call there (wait_for_call),
+ * which resolves the server's name again. Either way it is sent at most
+ * RL_MAX_REQUEUE times. False when the error is none of these (a
+ * redirection the topology does not follow), or the command went round
+ * too often.
  */
 static bool
 rl_queue_redirect(RlConn *conn, int k, const char *error)
 {
 	RlRedirect	to;
 	RlReplyError what = rl_classify_error(error, conn->host, &to);
+	RlReplyAction action = rl_reply_action(what);
 	RlConn	   *target;
 	size_t		from = rl_queue_offset(conn, k);
 	size_t		len;
@@ -94,20 +97,20 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 
 	if (!rl_error_not_run(what) || conn->queue_tries[k] >= RL_MAX_REQUEUE)
 		return false;
-	if (what != RL_REPLY_MOVED && what != RL_REPLY_ASK)
+	if (action == RL_ACTION_MOVED || action == RL_ACTION_ASK)
 	{
-		target = conn;
-		conn->wait_for_call = true;
-	}
-	else
-	{
-		if (rl_mode != RL_MODE_CLUSTER)
-			return false;
 		target = rl_conn_lookup(to.host, to.port, conn->kind);
 		if (target == conn)
 			return false;
 	}
-	if (what == RL_REPLY_ASK)
+	else if (what == RL_REPLY_MOVED || what == RL_REPLY_ASK)
+		return false;
+	else
+	{
+		target = conn;
+		conn->wait_for_call = true;
+	}
+	if (action == RL_ACTION_ASK)
 	{
 		const char *argv[1] = {"ASKING"};
 		size_t		argvlen[1] = {6};
@@ -306,7 +309,7 @@ rl_conn_hand_to_worker(RlConn *conn, TimestampTz deadline)
 	uint64		settings;
 
 	if (rl_transport != RL_TRANSPORT_SHARED || conn->kind != RL_CONN_SERVER ||
-		rl_mode != RL_MODE_STANDALONE)
+		!rl_topology()->one_server)
 		return false;
 	rl_queue_account(conn);
 	rl_queue_trim(conn);

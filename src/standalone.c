@@ -1,0 +1,27 @@
+/*
+ * standalone.c
+ *	  One Redis server (rl_redis.mode = standalone): every key goes to the
+ *	  configured server (rl_redis.host, rl_redis.port), as before there
+ *	  were modes.
+ *
+ * There is no other route: a call whose connection failed is not sent
+ * again, and every error reply is the call's reply (topology.c).
+ */
+#include "postgres.h"
+
+#include "rl_redis.h"
+
+/* The connection of the configured server; never NULL. */
+RlConn *
+rl_standalone_route(const char *key, size_t keylen, bool *may_ask,
+					RlFailure *failure)
+{
+	return rl_conn_get();
+}
+
+/* The connection of the configured server; no I/O. */
+RlConn *
+rl_standalone_known(const char *key, size_t keylen)
+{
+	return rl_conn_current();
+}
