@@ -294,3 +294,51 @@ def test_setting_range(pg):
         with pytest.raises(psycopg.Error) as e:
             pg.execute("SET rl_redis.max_identity_bytes = %s" % sql.quote(value))
         assert e.value.sqlstate == "22023", repr(e.value)
+
+
+def vm_hwm_kb(pid):
+    """The peak resident set size of a process, from /proc."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM for process %d" % pid)
+
+
+def test_statement_guard_keeps_no_long_identity(env):
+    """A statement guard keeps of each identity at most a few bytes past the
+    bound, and frees what it read of a row before the next one: 20 rows of
+    4 MB identities that cost nothing (not checked, not charged) grow the
+    backend's peak memory by far less than their 80 MB, inserted (the
+    transition table holds the values as they are) or updated (it holds
+    TOAST pointers). Until the identity was checked at the decision rather
+    than as it was built, the first too-long row failed the statement; then
+    every row's whole identity was kept, and an update's detoasted values
+    too, until the statement's end (about 80 MB and 160 MB here)."""
+    table = "idsize_mem_%s" % uuid.uuid4().hex[:10]
+    conn, _ = session()
+    try:
+        conn.execute(sql.SQL("CREATE TABLE {} (tenant text, units int)").format(
+            sql.Identifier(table)))
+        for event in ("INSERT", "UPDATE"):
+            conn.execute(sql.SQL(
+                "CREATE TRIGGER {} AFTER " + event + " ON {} REFERENCING NEW TABLE AS n"
+                " FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('fixed:5/60000',"
+                " 'tenant', 'units')").format(sql.Identifier("g_" + event.lower()),
+                                              sql.Identifier(table)))
+        insert = sql.SQL("INSERT INTO {} SELECT i || repeat('x', 4000000), 0"
+                         " FROM generate_series(1, %s) i").format(sql.Identifier(table))
+        conn.execute(insert, (1,))  # the library, the guard, one row's buffers
+        pid = conn.info.backend_pid
+        before = vm_hwm_kb(pid)
+        conn.execute(insert, (20,))
+        inserted = vm_hwm_kb(pid) - before
+        before = vm_hwm_kb(pid)
+        conn.execute(sql.SQL("UPDATE {} SET units = 0").format(sql.Identifier(table)))
+        updated = vm_hwm_kb(pid) - before
+        assert (inserted < 30 * 1024, updated < 30 * 1024) == (True, True), (
+            "peak memory grew by %d MB (insert) and %d MB (update)"
+            % (inserted // 1024, updated // 1024))
+    finally:
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
+        conn.close()

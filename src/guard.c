@@ -38,6 +38,7 @@
 #include "common/hashfn.h"
 #include "executor/executor.h"
 #include "executor/spi.h"
+#include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "pgtime.h"
 #include "utils/builtins.h"
@@ -454,8 +455,10 @@ rl_guard_append(StringInfo buf, const char *value, int len, bool escape)
  * escaped, joined with ':'. Integers and text are written directly, other
  * types through their output functions, under fixed settings when the
  * guard has a column whose text depends on them. Once the identity is
- * longer than rl_redis.max_identity_bytes, the columns after it are not
- * written (nor their output functions run): rl_decide refuses it.
+ * longer than rl_redis.max_identity_bytes, it is cut a few bytes past the
+ * bound (at a character's end) and the columns after it are not written
+ * (nor their output functions run): rl_decide refuses it, and a statement
+ * guard keeps no more of it. A text column's detoasted copy is freed.
  */
 static void
 rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
@@ -502,6 +505,8 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 
 					rl_guard_append(buf, VARDATA_ANY(t), VARSIZE_ANY_EXHDR(t),
 									escape);
+					if ((Pointer) t != DatumGetPointer(value))
+						pfree(t);	/* detoasted: a statement reads many */
 					break;
 				}
 			case RL_COLUMN_NUMERIC:
@@ -560,7 +565,13 @@ rl_guard_identity(RlGuard *guard, Relation rel, TupleTableSlot *slot,
 				}
 		}
 		if (buf->len > rl_max_identity_bytes)
+		{
+			/* too long: keep no more than a few bytes past the bound */
+			buf->len = pg_mbcliplen(buf->data, buf->len,
+									rl_max_identity_bytes + MAX_MULTIBYTE_CHAR_LEN);
+			buf->data[buf->len] = '\0';
 			break;
+		}
 	}
 	if (nestlevel >= 0)
 		AtEOXact_GUC(true, nestlevel);
