@@ -215,6 +215,16 @@ def wait_for(predicate, timeout, what, interval=0.05):
         time.sleep(interval)
 
 
+def vm_hwm_kb(pid):
+    """The peak resident set size of a process, from /proc (the tests run as
+    root or as the cluster owner)."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM for process %d" % pid)
+
+
 def new_ident(tag="t"):
     """An identity nobody else uses (curly braces are left out on purpose:
     the extension wraps the identity in {} itself)."""

@@ -43,7 +43,8 @@ import psycopg.errors
 import pytest
 from psycopg import sql
 
-from conftest import QueryThread, backend_tcp_ports, free_port, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import (QueryThread, backend_tcp_ports, free_port, new_ident, pg_connect, rl_key,
+                      set_gucs, use_redis, vm_hwm_kb)
 from test_faults import wait_until_active
 from test_stats import stats_row
 from redis_topology import identity_slot, made_policies, redis_cluster  # noqa: F401
@@ -871,16 +872,6 @@ def test_script_flush_before_a_large_batch_under_deny(redis_factory, policies):
             assert r.command("HGET", key, "n") == "1", i
     finally:
         conn.close()
-
-
-def vm_hwm_kb(pid):
-    """The peak resident set size of a process, from /proc (the tests run as
-    root or as the cluster owner)."""
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM for process %d" % pid)
 
 
 @pytest.mark.heavy

@@ -24,7 +24,7 @@ import psycopg
 from psycopg import sql
 import pytest
 
-from conftest import new_ident, pg_connect, set_gucs
+from conftest import new_ident, pg_connect, set_gucs, vm_hwm_kb
 
 PROGRAM_LIMIT_EXCEEDED = "54000"
 INSUFFICIENT_PRIVILEGE = "42501"
@@ -294,15 +294,6 @@ def test_setting_range(pg):
         with pytest.raises(psycopg.Error) as e:
             pg.execute("SET rl_redis.max_identity_bytes = %s" % sql.quote(value))
         assert e.value.sqlstate == "22023", repr(e.value)
-
-
-def vm_hwm_kb(pid):
-    """The peak resident set size of a process, from /proc."""
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM for process %d" % pid)
 
 
 def test_statement_guard_keeps_no_long_identity(env):
