@@ -883,6 +883,46 @@ def test_queued_refund_redirected_goes_to_the_node_named(session, policies, fake
     assert notices == [], notices
 
 
+def test_queued_redirections_to_ever_new_nodes_keep_the_connections_bounded(session, fakes):
+    """A lying cluster node that serves every slot answers every
+    transaction-end refund with MOVED to a node never named before (a new
+    loopback address each time, where nothing listens). Each redirection
+    used to add a connection to the session's cache, for the session's
+    life: 1 400 refunds left 1 400 of them. The cache now stops at
+    RL_MAX_CONNECTIONS (1 280); a refund sent further is dropped with its
+    warning, and the session goes on deciding."""
+    max_connections = 1024 + 2 * 64 + 128
+    rounds = max_connections + 120
+    evals = []
+
+    def script(server, args):
+        if args[0].upper() == "EVAL":
+            n = len(evals)
+            evals.append(n)
+            return r_err("MOVED %d 127.0.%d.%d:9" % (key_slot(args[3]), 1 + n // 250, 2 + n % 250))
+        return decision(1, 5, 4)
+
+    node = fakes(cluster_handler(lambda s: slots_reply([(0, 16383, "127.0.0.1", s.port)]), script))
+    conn = session(mode="cluster", nodes=node.addr, refund_on_abort="all", test_clock_ms=TEST_CLOCK_MS,
+                   on_error="error", command_timeout=2000, connect_timeout=1000)
+    conn.execute("SET client_min_messages = error")
+    # 20 identities of 20 hash slots: each rollback sends 20 refund calls
+    identities, slots = [], set()
+    while len(identities) < 20:
+        identity = new_ident("ever_new_nodes")
+        if identity_slot(identity) not in slots:
+            slots.add(identity_slot(identity))
+            identities.append(identity)
+    batch = "SELECT count(*) FILTER (WHERE allowed) FROM rl_fixed_many(%s, 5, %s)"
+    while len(evals) < rounds:
+        conn.execute("BEGIN")
+        assert conn.execute(batch, (identities, HUGE_WINDOW_MS)).fetchone()[0] == 20
+        conn.execute("ROLLBACK")
+    assert conn.execute(FIXED, (identities[0], HUGE_WINDOW_MS)).fetchone()[0] is True
+    cached = conn.execute("SELECT count(*) FROM rl_redis_connections()").fetchone()[0]
+    assert cached <= max_connections, (cached, len(evals))
+
+
 def test_refund_that_gets_tryagain_arrives_after_the_migration(session, policies, redis_cluster):
     """Two fixed-window keys of one identity (one slot) charged in a
     transaction with refund_on_abort = all; the slot is half migrated (one

@@ -21,8 +21,6 @@
 
 #include "rl_redis.h"
 
-/* the most distinct nodes a backend keeps (a lying server names more) */
-#define RL_MAX_NODES 1024
 
 /* A cluster node. */
 typedef struct RlNode
@@ -81,7 +79,7 @@ rl_key_hash_slot(const char *key, size_t len)
 
 /*
  * Returns the index in nodes of the node at host and port, adding it; -1
- * when RL_MAX_NODES are known already.
+ * when RL_MAX_NODES are known already (or RL_MAX_CONNECTIONS).
  */
 static int
 rl_node_index(const char *host, int port)
@@ -103,9 +101,11 @@ rl_node_index(const char *host, int port)
 			nodes = repalloc(nodes, sizeof(RlNode) * newmax);
 		maxnodes = newmax;
 	}
+	nodes[nnodes].conn = rl_conn_at(host, port, RL_CONN_SERVER);
+	if (nodes[nnodes].conn == NULL)
+		return -1;
 	strlcpy(nodes[nnodes].host, host, RL_ADDRESS_LEN);
 	nodes[nnodes].port = port;
-	nodes[nnodes].conn = rl_conn_at(host, port, RL_CONN_SERVER);
 	return nnodes++;
 }
 
@@ -292,6 +292,8 @@ rl_cluster_refresh(RlFailure *failure)
 			{
 				strlcpy(host, seeds[i].host, sizeof(host));
 				conn = rl_conn_at(host, seeds[i].port, RL_CONN_SERVER);
+				if (conn == NULL)
+					continue;
 			}
 			else
 			{

@@ -185,12 +185,24 @@ rl_conn_lookup(const char *host, int port, RlConnKind kind)
 
 /*
  * Returns the connection to the server at host and port for kind (a
- * cluster node, a master a sentinel named, a sentinel), which may not be
- * open yet (rl_command opens it). Does no I/O.
+ * cluster node, a master a sentinel named, a sentinel, where a redirection
+ * sends queued work), which may not be open yet (rl_command opens it); NULL
+ * when it is a new one and the cache holds RL_MAX_CONNECTIONS already, so
+ * that no server's answers can make it grow without bound. Does no I/O.
  */
 RlConn *
 rl_conn_at(const char *host, int port, RlConnKind kind)
 {
+	if (conn_cache != NULL &&
+		hash_get_num_entries(conn_cache) >= RL_MAX_CONNECTIONS)
+	{
+		RlConnKey	key;
+
+		memset(&key, 0, sizeof(key));
+		rl_format_address(key.address, host, port);
+		key.kind = kind;
+		return hash_search(conn_cache, &key, HASH_FIND, NULL);
+	}
 	return rl_conn_lookup(host, port, kind);
 }
 

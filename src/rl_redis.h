@@ -206,6 +206,16 @@ extern bool rl_connection_settings_changed;
 /* the most host:port items rl_redis.nodes may name */
 #define RL_MAX_SEEDS 64
 
+/* the most distinct nodes a backend keeps (a lying server names more) */
+#define RL_MAX_NODES 1024
+
+/*
+ * The most connections a backend keeps (rl_conn_at): every cluster node,
+ * seed and sentinel, and 128 more for the configured server, the masters
+ * the sentinels named and the nodes redirections named besides.
+ */
+#define RL_MAX_CONNECTIONS (RL_MAX_NODES + 2 * RL_MAX_SEEDS + 128)
+
 /* the number of hash slots of Redis Cluster */
 #define RL_HASH_SLOTS 16384
 

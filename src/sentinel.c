@@ -65,6 +65,9 @@ rl_sentinel_discover(RlFailure *failure)
 		long long	port;
 		RlConn	   *found;
 
+		if (conn == NULL)
+			continue;
+
 		/* each sentinel left gets an equal share of what is left */
 		reply = rl_command_within(conn, 3, argv, argvlen,
 								  (int) Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
@@ -97,6 +100,14 @@ rl_sentinel_discover(RlFailure *failure)
 				 reply->element[0]->str);
 		freeReplyObject(reply);
 		found = rl_conn_at(host, (int) port, RL_CONN_MASTER);
+		if (found == NULL)
+		{
+			rl_fail(failure, RL_FAILURE_TOPOLOGY, ERRCODE_CONNECTION_FAILURE,
+					RL_HINT_NONE, NULL,
+					"the sentinel at %s named a master at %s:%lld beyond the %d servers a session keeps",
+					rl_conn_name(conn), host, port, RL_MAX_CONNECTIONS);
+			continue;
+		}
 		if (master_conn != NULL && master_conn != found)
 			rl_conn_hand_over(master_conn, found);
 		master_conn = found;

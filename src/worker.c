@@ -134,16 +134,21 @@ rl_worker_round(RlCall *calls, int *entries)
 		for (i = 0; i < ndone; i++)
 		{
 			const RlScript *script = NULL;
+			RlConn	   *conn;
 
 			if (works[i].script_len > 0 &&
 				(script = rl_script_by_text(works[i].script_len,
 											works[i].script_hash)) == NULL)
 				ereport(LOG,
 						(errmsg("rl_redis worker: dropped transaction-end work for an unknown script")));
+			else if ((conn = rl_conn_at(works[i].host, works[i].port,
+										RL_CONN_SERVER)) == NULL)
+				ereport(LOG,
+						(errmsg("rl_redis worker: dropped transaction-end work for %s:%d beyond the %d servers it keeps",
+								works[i].host, works[i].port, RL_MAX_CONNECTIONS)));
 			else
-				rl_conn_defer_handed(rl_conn_at(works[i].host, works[i].port,
-												RL_CONN_SERVER),
-									 &works[i], script ? script->body : NULL);
+				rl_conn_defer_handed(conn, &works[i],
+									 script ? script->body : NULL);
 		}
 		/* sent now (and its replies are read) */
 		rl_send_queued(NULL);

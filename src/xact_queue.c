@@ -99,8 +99,8 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 		return false;
 	if (action == RL_ACTION_MOVED || action == RL_ACTION_ASK)
 	{
-		target = rl_conn_lookup(to.host, to.port, conn->kind);
-		if (target == conn)
+		target = rl_conn_at(to.host, to.port, conn->kind);
+		if (target == NULL || target == conn)
 			return false;
 	}
 	else if (what == RL_REPLY_MOVED || what == RL_REPLY_ASK)
