@@ -41,7 +41,9 @@
 # control file and module_pathname, its SQL scripts, the library its worker
 # is started from), so that it installs beside rl_redis; it stays installed
 # (remove $(pg_config --sharedir)/extension/rl_redis_base* and
-# $(pg_config --pkglibdir)/rl_redis_base.so by hand). Each build gets a
+# $(pg_config --pkglibdir)/rl_redis_base.so by hand); a source from before
+# src/compat.h (1.5 is) is given the current one to build on PostgreSQL 16
+# and later (baseline_port). Each build gets a
 # PostgreSQL cluster and a Redis of its own, started alike (lib.sh), the
 # cluster preloading only that build's library: both define the GUCs of
 # rl_redis, so one backend never loads both, and a Redis per build keeps
@@ -51,7 +53,11 @@
 # runs on the current build and right after on the baseline, in every
 # round, so load that drifts on the machine hits both alike. Without git
 # or the commit (a tarball of the source), the script says so and measures
-# the current build alone, as it does when BENCH_BASELINE is empty.
+# the current build alone, as it does when BENCH_BASELINE is empty. After
+# the current build's tables come the baseline's raw figures and the table
+# "against 1.5": per ratio each build's median and current / baseline, the
+# median of the per-round quotients, with every round's (R1 above 1 or E8
+# below 1 is worse than the baseline). README.md, "Performance", has figures.
 #
 # Environment:
 #   BENCH_SECONDS  length of every measured run (default 10)
