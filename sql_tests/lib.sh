@@ -4,7 +4,7 @@
 #
 # Usage (from bash):
 #   . sql_tests/lib.sh
-#   rl_build_install            # packages, build, install
+#   rl_build_install [DIR]      # packages, build, install (of the source in DIR)
 #   rl_cluster_start            # sets RL_DIR, RL_PGPORT, RL_REDIS_PORT, PG* vars
 #   ...                         # psql works, Redis answers on $RL_REDIS_PORT
 #   rl_cluster_stop             # also registered as an EXIT trap
@@ -24,13 +24,14 @@ RL_REDIS_SERVER=${RL_REDIS_SERVER:-redis-server}
 RL_REDIS_CLI=${RL_REDIS_CLI:-redis-cli}
 
 # Installs the packages that are missing (sql_tests/install_deps.sh), then
-# builds and installs the extension; sudo for the install when not root.
+# builds and installs the extension whose source is in DIR (default: this
+# one); sudo for the install when not root.
 rl_build_install() {
-	local sudo=
+	local sudo= dir=${1:-.}
 	[ "$(id -u)" = 0 ] || sudo=sudo
 	bash sql_tests/install_deps.sh || return 1
-	make -s -j"$(nproc)" >/dev/null || return 1
-	$sudo make -s install >/dev/null || return 1
+	make -s -C "$dir" -j"$(nproc)" >/dev/null || return 1
+	$sudo make -s -C "$dir" install >/dev/null || return 1
 }
 
 # Prints a TCP port on 127.0.0.1 that nothing listens on right now.
