@@ -28,6 +28,8 @@ OBJS = \
 	src/router.o \
 	src/refund.o \
 	src/denials.o \
+	src/decision.o \
+	src/slots.o \
 	src/engine.o \
 	src/functions.o \
 	src/policy.o \

@@ -25,9 +25,6 @@
 
 #include "rl_redis.h"
 
-/* what a fail-closed decision tells the caller to wait */
-#define RL_DENY_RETRY_MS 1000
-
 /* Raises 22004 when argument argno is NULL. */
 void
 rl_check_not_null(FunctionCallInfo fcinfo, int argno, const char *name)
@@ -170,120 +167,6 @@ rl_check_limit(const RlLimit *limit)
 						rl_sliding_max_lim),
 				 errdetail("The log keeps one entry per unit in the window; rl_redis.sliding_max_lim bounds it."),
 				 errhint("Use rl_sliding_counter for larger limits.")));
-}
-
-/*
- * Applies rl_redis.on_error to a failed call of cost units under limit:
- * raises the failure, or logs it and fills d with the configured decision
- * (its lim is the limit's capacity, as Redis would have said).
- */
-void
-rl_apply_on_error(const RlFailure *failure, const RlLimit *limit, int32 cost,
-				  RlDecision *d)
-{
-	int32		lim = limit->burst > 0 ? limit->burst : limit->lim;
-
-	if (rl_on_error == RL_ON_ERROR_ERROR)
-		rl_raise(failure);
-
-	d->allowed = (rl_on_error == RL_ON_ERROR_ALLOW);
-	d->from_redis = false;
-	d->from_cache = false;
-	d->lim = lim;
-	d->reset_ms = 0;
-	if (d->allowed)
-	{
-		d->remaining = Max(lim - Max(cost, 0), 0);
-		d->retry_after_ms = 0;
-	}
-	else
-	{
-		d->remaining = 0;
-		d->retry_after_ms = RL_DENY_RETRY_MS;
-	}
-	/* one warning per outage, not one per call */
-	if (failure->first_in_outage)
-	{
-		char	   *outcome = psprintf("Requests are %s without a decision from Redis because rl_redis.on_error is \"%s\".",
-									   d->allowed ? "allowed" : "denied",
-									   d->allowed ? "allow" : "deny");
-
-		rl_report(WARNING, failure, outcome);
-		pfree(outcome);
-	}
-}
-
-/* Fills in the failure of a reply that is not what the scripts return. */
-static void
-rl_unexpected_reply(RlConn *conn, RlFailure *failure)
-{
-	rl_fail(failure, RL_FAILURE_PROTOCOL, ERRCODE_PROTOCOL_VIOLATION,
-			RL_HINT_NONE, NULL,
-			"unexpected reply from the rate-limit script at Redis %s",
-			rl_conn_name(conn));
-}
-
-/*
- * Turns a script's reply into d and frees it; false, with failure filled in,
- * when the reply is an error or not the integers the scripts return: the
- * decision, its clock and the key's epoch, or, with charges (a
- * several-limits call of n charges), the most restrictive decision, its
- * index (stored in *index, 0-based), and the clock and epoch of every
- * charge (stored in charges[i]).
- */
-bool
-rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
-				  RlCharge *charges, int n, int *index, RlFailure *failure)
-{
-	size_t		expected = charges ? 6 + 2 * n : 7;
-	size_t		i;
-
-	if (reply->type == REDIS_REPLY_ERROR)
-	{
-		rl_error_reply(conn, reply, failure);
-		return false;
-	}
-	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != expected)
-		goto bad;
-	for (i = 0; i < expected; i++)
-		if (reply->element[i]->type != REDIS_REPLY_INTEGER)
-			goto bad;
-	if (reply->element[1]->integer <= 0 || reply->element[1]->integer > PG_INT32_MAX ||
-		reply->element[2]->integer < 0 || reply->element[2]->integer > PG_INT32_MAX)
-		goto bad;
-	if (charges && (reply->element[5]->integer < 1 || reply->element[5]->integer > n))
-		goto bad;
-
-	d->allowed = reply->element[0]->integer != 0;
-	d->from_redis = true;
-	d->from_cache = false;
-	d->lim = (int32) reply->element[1]->integer;
-	d->remaining = (int32) reply->element[2]->integer;
-	d->reset_ms = reply->element[3]->integer;
-	d->retry_after_ms = reply->element[4]->integer;
-	if (charges)
-	{
-		*index = (int) reply->element[5]->integer - 1;
-		for (i = 0; i < (size_t) n; i++)
-		{
-			charges[i].stamp_us = reply->element[6 + i]->integer;
-			charges[i].epoch = reply->element[6 + n + i]->integer;
-		}
-		d->stamp_us = charges[*index].stamp_us;
-		d->epoch = charges[*index].epoch;
-	}
-	else
-	{
-		d->stamp_us = reply->element[5]->integer;
-		d->epoch = reply->element[6]->integer;
-	}
-	freeReplyObject(reply);
-	return true;
-
-bad:
-	freeReplyObject(reply);
-	rl_unexpected_reply(conn, failure);
-	return false;
 }
 
 /*
@@ -1264,7 +1147,8 @@ rl_decide(const RlRequest *req, RlDecision *d)
 	int			worst = 0;
 	int			i;
 
-	Assert(req->n > 0 && (req->kind != RL_DECIDE_ONE || req->n == 1));
+	Assert(req->n > 0 &&
+		   (req->n == 1 || (req->kind != RL_DECIDE_ONE && req->kind != RL_DECIDE_SLOT)));
 	rl_check_request(req);
 	switch (req->kind)
 	{
@@ -1281,6 +1165,9 @@ rl_decide(const RlRequest *req, RlDecision *d)
 			break;
 		case RL_DECIDE_EACH:
 			rl_decide_each(req, d);
+			break;
+		case RL_DECIDE_SLOT:
+			rl_take_slot(&req->charges[0], d);
 			break;
 	}
 	return worst;

@@ -64,11 +64,16 @@
  * src/refund.c       giving back what an aborted (sub)transaction took
  * src/denials.c      who is being throttled: denials per identity and
  *                    minute in Redis (rl_redis.track_denials), rl_top_denied
- * src/engine.c       the decision engine: arguments, keys, script call,
- *                    reply, rl_result, on_error; a several-keys call is
- *                    split per cluster hash slot; batch decisions
+ * src/decision.c     a script's decision reply read (rl_parse_decision),
+ *                    and what rl_redis.on_error decides without one
+ * src/slots.c        the concurrency slots a backend holds: taken, given
+ *                    back early, or when their (sub)transaction ends
+ * src/engine.c       the one entry point of every charge (rl_decide):
+ *                    arguments checked, keys, script calls, rl_result; a
+ *                    several-keys call is split per cluster hash slot;
+ *                    batch decisions; a slot taken (slots.c)
  * src/policy.c       named policies (rl_policy) and several limits at once
- * src/concurrency.c  concurrency limits (slots held by a transaction)
+ * src/concurrency.c  the SQL functions of concurrency limits
  * src/guard.c        trigger functions that rate-limit writes
  * src/functions.c    the SQL functions of explicit limits, rl_reset and
  *                    rl_redis_ping
@@ -838,9 +843,12 @@ typedef enum RlRequestKind
 {
 	RL_DECIDE_ONE,				/* charges[0] (n = 1) */
 	RL_DECIDE_ALL,				/* charges[0..n-1], applied to all or to none */
-	RL_DECIDE_EACH				/* identities[0..n-1], each on its own, under
+	RL_DECIDE_EACH,				/* identities[0..n-1], each on its own, under
 								 * charges[0]'s limit, policy and cost (its
 								 * identity unused): a batch */
+	RL_DECIDE_SLOT				/* charges[0] (n = 1): a concurrency slot of
+								 * its limit (no algorithm: lim slots, a lease
+								 * of window_ms), cost 1 */
 } RlRequestKind;
 
 /*
@@ -859,9 +867,12 @@ typedef struct RlRequest
 } RlRequest;
 
 extern int	rl_decide(const RlRequest *req, RlDecision *d);
+
+/* a script's decision reply and on_error (decision.c) */
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
+extern void rl_unexpected_reply(RlConn *conn, RlFailure *failure);
 extern void rl_apply_on_error(const RlFailure *failure, const RlLimit *limit,
 							  int32 cost, RlDecision *d);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
@@ -894,9 +905,11 @@ extern void rl_remember_charge(const RlLimit *limit, StringInfo key,
 extern void rl_refund_call_end(const char *id, RlCharge *charges, int n,
 							   bool give_back);
 
-/* concurrency limits (concurrency.c) */
+/* the concurrency slots a backend holds (slots.c) */
 extern void rl_concurrency_xact_end(XactEvent event);
 extern void rl_concurrency_subxact_end(SubXactEvent event);
+extern void rl_take_slot(const RlCharge *c, RlDecision *d);
+extern bool rl_release_slot(const char *policy, text *identity);
 
 /* the transaction-end dispatcher (xact_end.c) */
 extern void rl_xact_end_init(void);
