@@ -301,17 +301,10 @@ rl_cluster_refresh(RlFailure *failure)
 				conn = nodes[i].conn;
 			}
 			/* each node left gets an equal share of what is left */
-			reply = rl_command_within(conn, 2, argv, argvlen,
-									  (int) Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
-																				deadline) / (left + 1), 1),
-									  failure);
+			reply = rl_command_share(conn, 2, argv, argvlen, deadline,
+									 left + 1, failure);
 			if (reply == NULL)
 				continue;
-			if (reply->type == REDIS_REPLY_ERROR)
-			{
-				rl_error_reply(conn, reply, failure);
-				continue;
-			}
 			if (!rl_read_slots(reply, host))
 			{
 				freeReplyObject(reply);

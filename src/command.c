@@ -82,6 +82,22 @@ rl_send_queued(RlConn *except)
 
 /*
  * Sends one command and returns its reply, which the caller must free with
+ * freeReplyObject; as rl_pipeline_send and rl_pipeline_recv, for one.
+ * NULL on failure, with failure filled in and the connection discarded.
+ */
+static redisReply *
+rl_command_within(RlConn *conn, int argc, const char **argv,
+				  const size_t *argvlen, int limit_ms, RlFailure *failure)
+{
+	RlCommand	cmd = {argc, argv, argvlen};
+
+	if (!rl_pipeline_send(conn, 1, &cmd, limit_ms, failure))
+		return NULL;
+	return rl_pipeline_recv(conn, failure);
+}
+
+/*
+ * Sends one command and returns its reply, which the caller must free with
  * freeReplyObject: rl_command_within with connect_timeout and
  * command_timeout.
  */
@@ -260,19 +276,29 @@ rl_pipeline_recv(RlConn *conn, RlFailure *failure)
 }
 
 /*
- * Sends one command and returns its reply, which the caller must free with
- * freeReplyObject; as rl_pipeline_send and rl_pipeline_recv, for one.
- * NULL on failure, with failure filled in and the connection discarded.
+ * Sends one command to a node asked in turn with others (the cluster's
+ * nodes for the slot map, the sentinels for the master) within an equal
+ * share of what is left until deadline among shares askers, and returns
+ * its reply, which the caller must free with freeReplyObject. NULL on
+ * failure or an error reply, with failure filled in.
  */
 redisReply *
-rl_command_within(RlConn *conn, int argc, const char **argv,
-				  const size_t *argvlen, int limit_ms, RlFailure *failure)
+rl_command_share(RlConn *conn, int argc, const char **argv,
+				 const size_t *argvlen, TimestampTz deadline, int shares,
+				 RlFailure *failure)
 {
-	RlCommand	cmd = {argc, argv, argvlen};
+	long		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+													   deadline);
+	redisReply *reply = rl_command_within(conn, argc, argv, argvlen,
+										  (int) Max(left / Max(shares, 1), 1),
+										  failure);
 
-	if (!rl_pipeline_send(conn, 1, &cmd, limit_ms, failure))
+	if (reply != NULL && reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(conn, reply, failure);
 		return NULL;
-	return rl_pipeline_recv(conn, failure);
+	}
+	return reply;
 }
 
 /*

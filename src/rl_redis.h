@@ -409,9 +409,10 @@ extern bool rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds,
 extern redisReply *rl_pipeline_recv(RlConn *conn, RlFailure *failure);
 extern bool rl_conn_script_known(RlConn *conn, int id);
 extern void rl_conn_script_forget(RlConn *conn, int id);
-extern redisReply *rl_command_within(RlConn *conn, int argc,
-									 const char **argv, const size_t *argvlen,
-									 int limit_ms, RlFailure *failure);
+extern redisReply *rl_command_share(RlConn *conn, int argc,
+									const char **argv, const size_t *argvlen,
+									TimestampTz deadline, int shares,
+									RlFailure *failure);
 extern void rl_defer_command(RlConn *conn, int argc, const char **argv,
 							 const size_t *argvlen, uint8 flags);
 

@@ -69,17 +69,10 @@ rl_sentinel_discover(RlFailure *failure)
 			continue;
 
 		/* each sentinel left gets an equal share of what is left */
-		reply = rl_command_within(conn, 3, argv, argvlen,
-								  (int) Max(TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
-																			deadline) / (nseeds - n), 1),
-								  failure);
+		reply = rl_command_share(conn, 3, argv, argvlen, deadline,
+								 nseeds - n, failure);
 		if (reply == NULL)
 			continue;
-		if (reply->type == REDIS_REPLY_ERROR)
-		{
-			rl_error_reply(conn, reply, failure);
-			continue;
-		}
 		if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
 			reply->element[0]->type != REDIS_REPLY_STRING ||
 			reply->element[0]->len == 0 ||
