@@ -54,14 +54,19 @@ rl_apply_on_error(const RlFailure *failure, const RlLimit *limit, int32 cost,
 	}
 }
 
-/* Fills in the failure of a reply that is not what the scripts return. */
-void
-rl_unexpected_reply(RlConn *conn, RlFailure *failure)
+/*
+ * Frees a reply that is not what the scripts return and fills in its
+ * failure; returns false, for the parser to return.
+ */
+bool
+rl_unexpected_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 {
+	freeReplyObject(reply);
 	rl_fail(failure, RL_FAILURE_PROTOCOL, ERRCODE_PROTOCOL_VIOLATION,
 			RL_HINT_NONE, NULL,
 			"unexpected reply from the rate-limit script at Redis %s",
 			rl_conn_name(conn));
+	return false;
 }
 
 /*
@@ -122,7 +127,5 @@ rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 	return true;
 
 bad:
-	freeReplyObject(reply);
-	rl_unexpected_reply(conn, failure);
-	return false;
+	return rl_unexpected_reply(conn, reply, failure);
 }

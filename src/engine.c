@@ -768,9 +768,7 @@ rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
 	return true;
 
 bad:
-	freeReplyObject(reply);
-	rl_unexpected_reply(conn, failure);
-	return false;
+	return rl_unexpected_reply(conn, reply, failure);
 }
 
 /* A key as a StringInfo (not to be appended to), for the callees. */

@@ -873,7 +873,8 @@ extern int	rl_decide(const RlRequest *req, RlDecision *d);
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
-extern void rl_unexpected_reply(RlConn *conn, RlFailure *failure);
+extern bool rl_unexpected_reply(RlConn *conn, redisReply *reply,
+								RlFailure *failure);
 extern void rl_apply_on_error(const RlFailure *failure, const RlLimit *limit,
 							  int32 cost, RlDecision *d);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
