@@ -102,6 +102,25 @@ def test_nothing_written_when_off_or_allowed(pg, policy, shared_redis):
     assert top(conn, policy) == []
 
 
+def test_top_denied_says_when_denials_are_not_counted(pg, policy):
+    """rl_top_denied with rl_redis.track_denials off answers what Redis
+    holds (nothing, or what was counted before) and says, in a NOTICE, that
+    denials are not being counted, with the setting in its hint; with the
+    setting on it says nothing."""
+    conn = session()
+    notices = []
+    conn.add_notice_handler(lambda d: notices.append(
+        (d.severity_nonlocalized, d.message_primary, d.message_detail, d.message_hint)))
+    assert top(conn, policy) == []
+    assert notices == [("NOTICE", "denials are not being counted",
+                        "rl_redis.track_denials is off in this session.",
+                        "A superuser sets rl_redis.track_denials = on to count them.")], notices
+    set_gucs(conn, track_denials="on")
+    notices.clear()
+    assert top(conn, policy) == []
+    assert notices == [], notices
+
+
 def test_n_and_since(pg, policy):
     conn = session(track_denials="on")
     idents = [new_ident("n%d" % i) for i in range(5)]

@@ -373,7 +373,7 @@ PG_FUNCTION_INFO_V1(rl_top_denied);
  * rl_top_denied(policy, since, n): the n identities most denied under
  * policy since the minute since ago (at most a day), with their denials,
  * most denied first, across every server sharing the Redis (counted with
- * rl_redis.track_denials).
+ * rl_redis.track_denials; a NOTICE says when that is off here).
  */
 Datum
 rl_top_denied(PG_FUNCTION_ARGS)
@@ -407,6 +407,11 @@ rl_top_denied(PG_FUNCTION_ARGS)
 	/* the minutes that began since then, and the current one */
 	minutes = (int) (since_us / (60.0 * USECS_PER_SEC)) + 1;
 	minutes = Min(minutes, RL_DENIAL_MINUTES);
+	if (!rl_track_denials)
+		ereport(NOTICE,
+				(errmsg("denials are not being counted"),
+				 errdetail("rl_redis.track_denials is off in this session."),
+				 errhint("A superuser sets rl_redis.track_denials = on to count them.")));
 
 	InitMaterializedSRF(fcinfo, 0);
 	reply = rl_denials_top(policy.name, minutes, n, &conn, &failure);
