@@ -60,7 +60,7 @@ import uuid
 from psycopg import sql
 import pytest
 
-from conftest import pg_connect, resp_command
+from conftest import control_version, pg_connect, resp_command
 
 # the blocks of a document build on each other: one xdist worker runs them all,
 # in document order
@@ -211,6 +211,26 @@ def test_conventions():
     problems = [p for doc in DOCS for p in PARSED[doc][1]]
     assert not problems, "\n".join(problems)
     assert any(b.doc == "README.md" for b in ALL_BLOCKS)
+
+
+def test_facts_the_prose_states():
+    """What the README says in prose and a test can read: the package name
+    dpkg-buildpackage writes (the version of debian/changelog, which is the
+    control file's default_version), and the number of functions that
+    DROP EXTENSION drops (the extension's members in pg_depend)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, "debian", "changelog")) as f:
+        package_version = re.match(r"rl-redis \(([^)]+)\)", f.readline()).group(1)
+    assert package_version.startswith(control_version() + ".")
+    named = set(re.findall(r"postgresql-15-rl-redis_([0-9.]+)_amd64\.deb", readme))
+    assert named == {package_version}, named
+    with pg_connect() as conn:
+        functions = conn.execute(
+            "SELECT count(*) FROM pg_depend WHERE classid = 'pg_proc'::regclass AND deptype = 'e' "
+            "AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'rl_redis')").fetchone()[0]
+    stated = re.findall(r"the (\d+) functions", readme)
+    assert stated == [str(functions)], (stated, functions)
 
 
 # ---------------------------------------------------------------- running
