@@ -1,15 +1,15 @@
 /*
  * engine.c
- *	  The decision engine: arguments, keys, the script call, its reply and
- *	  rl_result, and rl_redis.on_error.
+ *	  The decision engine: the one entry point of every charge (rl_decide),
+ *	  the arguments' checks, the keys, the script calls and rl_result.
  *
- * A decision checks its arguments, builds the identity's key, runs the
- * algorithm's script in Redis on the connection the key routes to and
- * turns the reply into an rl_result (or a boolean). When Redis cannot give
- * an answer, rl_redis.on_error decides: raise the error, or log a warning
- * and allow or deny. The SQL functions (functions.c, policy.c,
- * concurrency.c, guard.c) call it; it calls only the files listed above it
- * in rl_redis.h.
+ * Every SQL function that charges an identity (functions.c, policy.c,
+ * concurrency.c, guard.c, the batches here) hands its charges to
+ * rl_decide, which checks each one, builds its key, runs the algorithm's
+ * script in Redis on the connection the key routes to (or takes a
+ * concurrency slot, slots.c) and reads the reply (decision.c); when Redis
+ * cannot give an answer, rl_redis.on_error decides (decision.c). It calls
+ * only the files listed above it in rl_redis.h.
  */
 #include "postgres.h"
 
