@@ -390,20 +390,6 @@ use cur
 # ---------------------------------------------------------------------------
 # figures
 
-# calc EXPR: evaluates an awk expression
-calc() {
-	awk "BEGIN { printf \"%.6f\", $1 }"
-}
-
-# values KEYPREFIX ARRAY: the array's values of every round
-values() {
-	local -n arr=$2
-	local r
-	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-		echo "${arr[$1.$r]}"
-	done
-}
-
 # fig FORMAT VALUE...: "median (min..max)" of the values, or the value alone
 fig() {
 	local fmt=$1
@@ -422,7 +408,7 @@ fig() {
 pg_lat() {
 	local r
 	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-		calc "1000 / ${tps[$1.1.$r]}"
+		rl_calc "1000 / ${tps[$1.1.$r]}"
 		echo
 	done
 }
@@ -434,8 +420,8 @@ for b in "${builds[@]}"; do
 	for w in "${ALGORITHMS[@]}" "${SHARED[@]}"; do
 		alg=${w%@shared}
 		for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-			R1[$b/$w.$r]=$(calc "(1000 / ${tps[$b/$w.1.$r]}) / (1000 / ${tps[$b/select1.1.$r]} + ${rlat[$b/$alg.1.$r]})")
-			E8[$b/$w.$r]=$(calc "${tps[$b/$w.8.$r]} * (1 / ${tps[$b/select1.8.$r]} + 1 / ${rrps[$b/$alg.8.$r]})")
+			R1[$b/$w.$r]=$(rl_calc "(1000 / ${tps[$b/$w.1.$r]}) / (1000 / ${tps[$b/select1.1.$r]} + ${rlat[$b/$alg.1.$r]})")
+			E8[$b/$w.$r]=$(rl_calc "${tps[$b/$w.8.$r]} * (1 / ${tps[$b/select1.8.$r]} + 1 / ${rrps[$b/$alg.8.$r]})")
 		done
 	done
 done
@@ -456,14 +442,14 @@ row() {
 raw_figures() {
 	local b=$1 alg
 	row "" "1 client: latency ms" "8 clients: TPS"
-	row "pgbench          SELECT 1" "$(fig %.4f $(pg_lat "$b/select1"))" "$(fig %.0f $(values "$b/select1.8" tps))"
+	row "pgbench          SELECT 1" "$(fig %.4f $(pg_lat "$b/select1"))" "$(fig %.0f $(rl_values "$b/select1.8" tps))"
 	for alg in "${ALGORITHMS[@]}"; do
 		row "pgbench          SELECT rl_${alg}_allow(...)" "$(fig %.4f $(pg_lat "$b/$alg"))" \
-			"$(fig %.0f $(values "$b/$alg.8" tps))"
+			"$(fig %.0f $(rl_values "$b/$alg.8" tps))"
 		row "  the same, transport = shared" "$(fig %.4f $(pg_lat "$b/$alg@shared"))" \
-			"$(fig %.0f $(values "$b/$alg@shared.8" tps))"
-		row "redis-benchmark  EVALSHA of rl_${alg}_allow" "$(fig %.4f $(values "$b/$alg.1" rlat))" \
-			"$(fig %.0f $(values "$b/$alg.8" rrps))"
+			"$(fig %.0f $(rl_values "$b/$alg@shared.8" tps))"
+		row "redis-benchmark  EVALSHA of rl_${alg}_allow" "$(fig %.4f $(rl_values "$b/$alg.1" rlat))" \
+			"$(fig %.0f $(rl_values "$b/$alg.8" rrps))"
 	done
 }
 
@@ -482,7 +468,7 @@ echo
 # ratio NAME KEY ARRAY OP TARGET: one line of the table
 ratio() {
 	local v verdict
-	v=$(rl_median $(values "$2" "$3"))
+	v=$(rl_median $(rl_values "$2" "$3"))
 	verdict=$(awk -v v="$v" -v t="$5" "BEGIN { print (v $4 t) ? \"met\" : \"MISSED\" }")
 	printf '%-30s %8.3f %8s  %-8s %s\n' "$1" "$v" "$4 $5" "$verdict" "$(rounds_of "$2" "$3")"
 }
@@ -513,10 +499,10 @@ if [ -n "${ext[base]:-}" ]; then
 		local r
 		declare -A q=()
 		for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-			q[x.$r]=$(calc "${arr[cur/$3.$r]} / ${arr[base/$3.$r]}")
+			q[x.$r]=$(rl_calc "${arr[cur/$3.$r]} / ${arr[base/$3.$r]}")
 		done
-		printf '%-30s %8.3f %8.3f %12.3f  %s\n' "$1" "$(rl_median $(values "cur/$3" "$2"))" \
-			"$(rl_median $(values "base/$3" "$2"))" "$(rl_median $(values x q))" "$(rounds_of x q)"
+		printf '%-30s %8.3f %8.3f %12.3f  %s\n' "$1" "$(rl_median $(rl_values "cur/$3" "$2"))" \
+			"$(rl_median $(rl_values "base/$3" "$2"))" "$(rl_median $(rl_values x q))" "$(rounds_of x q)"
 	}
 	printf '%-30s %8s %8s %12s  %s\n' "ratio" "current" "$base" "current/$base" "per round"
 	for alg in "${ALGORITHMS[@]}"; do

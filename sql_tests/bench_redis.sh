@@ -129,20 +129,6 @@ run_redis() {
 	echo "$rps"
 }
 
-# calc EXPR: evaluates an awk expression
-calc() {
-	awk "BEGIN { printf \"%.6f\", $1 }"
-}
-
-# values KEY ARRAY: the array's values of every round
-values() {
-	local -n arr=$2
-	local r
-	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-		echo "${arr[$1.$r]}"
-	done
-}
-
 # fmt3 VALUE...: the values with 3 decimals, on one line
 fmt3() {
 	printf '%.3f ' "$@" | sed 's/ $//'
@@ -204,7 +190,7 @@ for ((r = 1; r <= BENCH_ROUNDS; r++)); do
 			rps[$side/$alg.$r]=$(run_redis "$side" "$alg" "$BENCH_REQUESTS") || exit 1
 			flush
 		done
-		ratio[$alg.$r]=$(calc "${rps[ext/$alg.$r]} / ${rps[plain/$alg.$r]}")
+		ratio[$alg.$r]=$(rl_calc "${rps[ext/$alg.$r]} / ${rps[plain/$alg.$r]}")
 		row "$alg" "$(printf %.0f "${rps[ext/$alg.$r]}")" "$(printf %.0f "${rps[plain/$alg.$r]}")" \
 			"$(printf %.3f "${ratio[$alg.$r]}")"
 	done
@@ -212,8 +198,8 @@ for ((r = 1; r <= BENCH_ROUNDS; r++)); do
 		tps[$w.$r]=$(rl_pgbench_tps "$work/$w.sql" "$CLIENTS" "$BENCH_SECONDS") || die "pgbench $w failed"
 		flush
 	done
-	e8[$r]=$(calc "${tps[sliding.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[plain/sliding.$r]})")
-	e8ext[$r]=$(calc "${tps[sliding.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[ext/sliding.$r]})")
+	e8[$r]=$(rl_calc "${tps[sliding.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[plain/sliding.$r]})")
+	e8ext[$r]=$(rl_calc "${tps[sliding.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[ext/sliding.$r]})")
 	printf '  pgbench, %d clients: SELECT 1 %.0f TPS, SELECT rl_sliding_allow(...) %.0f TPS;' \
 		"$CLIENTS" "${tps[select1.$r]}" "${tps[sliding.$r]}"
 	printf ' E8 %.3f (plain sliding), %.3f (its own EVALSHA)\n' "${e8[$r]}" "${e8ext[$r]}"
@@ -224,10 +210,10 @@ echo "Redis throughput: median of $BENCH_ROUNDS round(s), requests per second; r
 echo "rounds' extension / plain (each round's pair ran one right after the other)"
 printf '  %-16s %10s %10s %8s %8s  %-8s %s\n' algorithm extension plain ratio target verdict "per round"
 for alg in "${ALGORITHMS[@]}"; do
-	v=$(rl_median $(values "$alg" ratio))
-	printf '  %-16s %10.0f %10.0f %8.3f %8s  %-8s %s\n' "$alg" "$(rl_median $(values "ext/$alg" rps))" \
-		"$(rl_median $(values "plain/$alg" rps))" "$v" ">= $TARGET" "$(verdict "$v" ">=" "$TARGET")" \
-		"$(fmt3 $(values "$alg" ratio))"
+	v=$(rl_median $(rl_values "$alg" ratio))
+	printf '  %-16s %10.0f %10.0f %8.3f %8s  %-8s %s\n' "$alg" "$(rl_median $(rl_values "ext/$alg" rps))" \
+		"$(rl_median $(rl_values "plain/$alg" rps))" "$v" ">= $TARGET" "$(verdict "$v" ">=" "$TARGET")" \
+		"$(fmt3 $(rl_values "$alg" ratio))"
 done
 
 # ---------------------------------------------------------------------------
@@ -274,7 +260,7 @@ memory() {
 	[ "$keys" = "$BENCH_IDENTITIES" ] ||
 		die "the $1 command of $2 left $keys keys for $BENCH_IDENTITIES identities"
 	flush
-	calc "($after - $before) / $BENCH_IDENTITIES"
+	rl_calc "($after - $before) / $BENCH_IDENTITIES"
 }
 
 echo
@@ -283,7 +269,7 @@ printf '  %-16s %10s %10s %8s %8s  %s\n' algorithm extension plain ratio target 
 for alg in "${ALGORITHMS[@]}"; do
 	m_ext=$(memory ext "$alg") || exit 1
 	m_plain=$(memory plain "$alg") || exit 1
-	v=$(calc "$m_ext / $m_plain")
+	v=$(rl_calc "$m_ext / $m_plain")
 	if [ "$alg" = fixed ]; then
 		t="<= $MEMORY_TARGET" verd=$(verdict "$v" "<=" "$MEMORY_TARGET")
 	else

@@ -200,3 +200,18 @@ rl_show_cmd() {
 	done
 	echo "${out% }"
 }
+
+# rl_calc EXPR: prints the value of an awk expression, 6 decimals.
+rl_calc() {
+	awk "BEGIN { printf \"%.6f\", $1 }"
+}
+
+# rl_values KEY ARRAY: prints ARRAY[KEY.r] for each round r from 1 to
+# BENCH_ROUNDS, one a line (the benchmarks key their figures by round).
+rl_values() {
+	local -n arr=$2
+	local r
+	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
+		echo "${arr[$1.$r]}"
+	done
+}
