@@ -248,28 +248,9 @@ for alg in "${ALGORITHMS[@]}"; do
 done
 
 # capture ALG: prints, one argument a line, the Redis command that
-# rl_ALG_allow('bench:probe', 100000, 60000) sends, as SLOWLOG records it
-# (the second of two calls: the first may have to load the script).
+# rl_ALG_allow('bench:probe', 100000, 60000) sends (lib.sh)
 capture() {
-	local alg=$1 old
-	old=$(rcli CONFIG GET slowlog-log-slower-than | tail -1)
-	rcli CONFIG SET slowlog-log-slower-than 0 >/dev/null &&
-		rcli SLOWLOG RESET >/dev/null || return 1
-	psql -X -q -A -t -v ON_ERROR_STOP=1 \
-		-c "SELECT rl_${alg}_allow('bench:probe', 100000, 60000)" \
-		-c "SELECT rl_${alg}_allow('bench:probe', 100000, 60000)" >/dev/null || return 1
-	rcli CONFIG SET slowlog-log-slower-than "$old" >/dev/null || return 1
-	rcli --json SLOWLOG GET 128 | /usr/bin/python3 -c '
-import json, sys
-for entry in json.load(sys.stdin):          # newest first
-    args = entry[3]
-    if args and args[0].upper() == "EVALSHA" and any("{bench:probe}" in a for a in args):
-        if len(args) >= 32 or any(a.endswith("more bytes)") or "\n" in a for a in args):
-            sys.exit("the command is too long for SLOWLOG: %r" % args)
-        print("\n".join(args))
-        sys.exit(0)
-sys.exit("no EVALSHA on the key of bench:probe in SLOWLOG")
-'
+	rl_capture_evalsha "$RL_REDIS_PORT" "SELECT rl_${1}_allow('bench:probe', 100000, 60000)" '{bench:probe}'
 }
 
 # cmd_BUILD_ALG: BUILD's command with the identity bench:__rand_int__,
@@ -295,67 +276,26 @@ flush() {
 	[ "$(rcli FLUSHALL)" = OK ] || die "FLUSHALL failed"
 }
 
-# run_pgbench SCRIPT CLIENTS SECONDS: prints the TPS (without the initial
-# connection time). pgbench's "latency average" is 1000 * clients / TPS when
-# neither -R nor -P is used, printed to 3 decimals only, so latencies are
-# computed from the TPS instead.
+# run_pgbench SCRIPT CLIENTS SECONDS: prints the TPS of pgbench running
+# the workload SCRIPT (lib.sh); SCRIPT@shared with rl_redis.transport = shared
 run_pgbench() {
-	local script=${1%@shared} clients=$2 seconds=$3 threads=1 out tps failed
-	local options=${PGOPTIONS:-}
-	[ "$clients" -gt 1 ] && threads=2
-	# NAME@shared: the workload NAME with rl_redis.transport = shared
+	local script=${1%@shared} options=${PGOPTIONS:-}
 	[ "$1" != "$script" ] && options+=" -c rl_redis.transport=shared"
-	out=$(PGOPTIONS="$options" pgbench -n -M prepared -T "$seconds" -c "$clients" -j "$threads" \
-		-f "$work/$script.sql" 2>&1) ||
-		{ echo "$out" >&2; die "pgbench $script -c $clients failed"; }
-	failed=$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' <<<"$out")
-	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' <<<"$out")
-	if [ -z "$tps" ] || [ "${failed:-0}" != 0 ]; then
-		echo "$out" >&2
-		die "pgbench $script -c $clients: no TPS or failed transactions"
-	fi
-	echo "$tps"
+	PGOPTIONS="$options" rl_pgbench_tps "$work/$script.sql" "$2" "$3" ||
+		die "pgbench $script -c $2 failed"
 }
 
-# run_redis BUILD ALG CLIENTS REQUESTS: prints "rps avg_latency_ms" from
-# redis-benchmark --csv (header "test","rps","avg_latency_ms",...; the
-# latency has 3 decimals, i.e. 1 microsecond resolution).
+# run_redis BUILD ALG CLIENTS REQUESTS: prints "rps avg_latency_ms" of
+# redis-benchmark replaying BUILD's command of ALG (lib.sh)
 run_redis() {
-	local alg=$2 clients=$3 requests=$4 out before after
-	local -n cmd=cmd_${1}_$alg
-	before=$(rcli DBSIZE)
-	out=$(redis-benchmark -p "$RL_REDIS_PORT" -c "$clients" -n "$requests" \
-		-r "$IDENTITIES" --csv "${cmd[@]}" 2>&1) ||
-		{ echo "$out" >&2; die "redis-benchmark $alg -c $clients failed"; }
-	after=$(rcli DBSIZE)
-	# redis-benchmark keeps going when the server answers with errors
-	[ "$after" -gt "$before" ] ||
-		{ echo "$out" >&2; die "redis-benchmark $alg -c $clients wrote no keys"; }
-	awk -F, '
-		/^"test"/ { for (i = 1; i <= NF; i++) { gsub(/"/, "", $i); col[$i] = NF - i }; next }
-		/^"/ && ("rps" in col) { gsub(/"/, ""); print $(NF - col["rps"]), $(NF - col["avg_latency_ms"]); found = 1 }
-		END { exit !found }
-	' <<<"$out" || { echo "$out" >&2; die "cannot read redis-benchmark's CSV"; }
+	local -n cmd=cmd_${1}_$2
+	rl_redis_benchmark "$RL_REDIS_PORT" "$3" "$4" "$IDENTITIES" "${cmd[@]}" ||
+		die "redis-benchmark $2 -c $3 failed"
 }
 
 # requests for a redis-benchmark run of about BENCH_SECONDS at rate rps
 requests_for() {
 	awk -v rps="$1" -v s="$BENCH_SECONDS" 'BEGIN { n = int(rps * s); if (n < 10000) n = 10000; print n }'
-}
-
-# median of the arguments
-median() {
-	printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
-}
-
-# shows a command with empty arguments as ''
-show_cmd() {
-	local a out=
-	for a in "$@"; do
-		[ -z "$a" ] && a="''"
-		out+="$a "
-	done
-	echo "${out% }"
 }
 
 # ---------------------------------------------------------------------------
@@ -383,7 +323,7 @@ for b in "${builds[@]}"; do
 	[ "$b" = cur ] || prefix="${label[$b]}: "
 	for alg in "${ALGORITHMS[@]}"; do
 		declare -n cmd=cmd_${b}_$alg
-		echo "${prefix}rl_${alg}_allow sends: $(show_cmd "${cmd[@]//__rand_int__/<n>}")"
+		echo "${prefix}rl_${alg}_allow sends: $(rl_show_cmd "${cmd[@]//__rand_int__/<n>}")"
 		echo "  (script ${script_name[$b/$alg]:-NOT FOUND in ${lua_h[$b]}}; redis-benchmark replays this command)"
 		unset -n cmd
 	done
@@ -450,20 +390,6 @@ use cur
 # ---------------------------------------------------------------------------
 # figures
 
-# calc EXPR: evaluates an awk expression
-calc() {
-	awk "BEGIN { printf \"%.6f\", $1 }"
-}
-
-# values KEYPREFIX ARRAY: the array's values of every round
-values() {
-	local -n arr=$2
-	local r
-	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-		echo "${arr[$1.$r]}"
-	done
-}
-
 # fig FORMAT VALUE...: "median (min..max)" of the values, or the value alone
 fig() {
 	local fmt=$1
@@ -471,7 +397,7 @@ fig() {
 	if [ $# -eq 1 ]; then
 		printf "$fmt" "$1"
 	else
-		printf "$fmt (%s..%s)" "$(median "$@")" \
+		printf "$fmt (%s..%s)" "$(rl_median "$@")" \
 			"$(printf "$fmt" "$(printf '%s\n' "$@" | sort -g | head -1)")" \
 			"$(printf "$fmt" "$(printf '%s\n' "$@" | sort -g | tail -1)")"
 	fi
@@ -482,7 +408,7 @@ fig() {
 pg_lat() {
 	local r
 	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-		calc "1000 / ${tps[$1.1.$r]}"
+		rl_calc "1000 / ${tps[$1.1.$r]}"
 		echo
 	done
 }
@@ -494,8 +420,8 @@ for b in "${builds[@]}"; do
 	for w in "${ALGORITHMS[@]}" "${SHARED[@]}"; do
 		alg=${w%@shared}
 		for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-			R1[$b/$w.$r]=$(calc "(1000 / ${tps[$b/$w.1.$r]}) / (1000 / ${tps[$b/select1.1.$r]} + ${rlat[$b/$alg.1.$r]})")
-			E8[$b/$w.$r]=$(calc "${tps[$b/$w.8.$r]} * (1 / ${tps[$b/select1.8.$r]} + 1 / ${rrps[$b/$alg.8.$r]})")
+			R1[$b/$w.$r]=$(rl_calc "(1000 / ${tps[$b/$w.1.$r]}) / (1000 / ${tps[$b/select1.1.$r]} + ${rlat[$b/$alg.1.$r]})")
+			E8[$b/$w.$r]=$(rl_calc "${tps[$b/$w.8.$r]} * (1 / ${tps[$b/select1.8.$r]} + 1 / ${rrps[$b/$alg.8.$r]})")
 		done
 	done
 done
@@ -516,14 +442,14 @@ row() {
 raw_figures() {
 	local b=$1 alg
 	row "" "1 client: latency ms" "8 clients: TPS"
-	row "pgbench          SELECT 1" "$(fig %.4f $(pg_lat "$b/select1"))" "$(fig %.0f $(values "$b/select1.8" tps))"
+	row "pgbench          SELECT 1" "$(fig %.4f $(pg_lat "$b/select1"))" "$(fig %.0f $(rl_values "$b/select1.8" tps))"
 	for alg in "${ALGORITHMS[@]}"; do
 		row "pgbench          SELECT rl_${alg}_allow(...)" "$(fig %.4f $(pg_lat "$b/$alg"))" \
-			"$(fig %.0f $(values "$b/$alg.8" tps))"
+			"$(fig %.0f $(rl_values "$b/$alg.8" tps))"
 		row "  the same, transport = shared" "$(fig %.4f $(pg_lat "$b/$alg@shared"))" \
-			"$(fig %.0f $(values "$b/$alg@shared.8" tps))"
-		row "redis-benchmark  EVALSHA of rl_${alg}_allow" "$(fig %.4f $(values "$b/$alg.1" rlat))" \
-			"$(fig %.0f $(values "$b/$alg.8" rrps))"
+			"$(fig %.0f $(rl_values "$b/$alg@shared.8" tps))"
+		row "redis-benchmark  EVALSHA of rl_${alg}_allow" "$(fig %.4f $(rl_values "$b/$alg.1" rlat))" \
+			"$(fig %.0f $(rl_values "$b/$alg.8" rrps))"
 	done
 }
 
@@ -542,7 +468,7 @@ echo
 # ratio NAME KEY ARRAY OP TARGET: one line of the table
 ratio() {
 	local v verdict
-	v=$(median $(values "$2" "$3"))
+	v=$(rl_median $(rl_values "$2" "$3"))
 	verdict=$(awk -v v="$v" -v t="$5" "BEGIN { print (v $4 t) ? \"met\" : \"MISSED\" }")
 	printf '%-30s %8.3f %8s  %-8s %s\n' "$1" "$v" "$4 $5" "$verdict" "$(rounds_of "$2" "$3")"
 }
@@ -573,10 +499,10 @@ if [ -n "${ext[base]:-}" ]; then
 		local r
 		declare -A q=()
 		for ((r = 1; r <= BENCH_ROUNDS; r++)); do
-			q[x.$r]=$(calc "${arr[cur/$3.$r]} / ${arr[base/$3.$r]}")
+			q[x.$r]=$(rl_calc "${arr[cur/$3.$r]} / ${arr[base/$3.$r]}")
 		done
-		printf '%-30s %8.3f %8.3f %12.3f  %s\n' "$1" "$(median $(values "cur/$3" "$2"))" \
-			"$(median $(values "base/$3" "$2"))" "$(median $(values x q))" "$(rounds_of x q)"
+		printf '%-30s %8.3f %8.3f %12.3f  %s\n' "$1" "$(rl_median $(rl_values "cur/$3" "$2"))" \
+			"$(rl_median $(rl_values "base/$3" "$2"))" "$(rl_median $(rl_values x q))" "$(rounds_of x q)"
 	}
 	printf '%-30s %8s %8s %12s  %s\n' "ratio" "current" "$base" "current/$base" "per round"
 	for alg in "${ALGORITHMS[@]}"; do

@@ -116,3 +116,102 @@ rl_cluster_stop() {
 	rm -rf "$RL_DIR"
 	RL_DIR=
 }
+
+# Prints, one argument a line, the EVALSHA that the statement SQL sends to
+# the Redis on PORT on a key holding TAG, as SLOWLOG records it (the second
+# of two runs of SQL: the first may have to load the script); psql must
+# reach the PostgreSQL that sends it. The benchmarks replay this command so
+# that it stays right when the scripts or their arguments change.
+rl_capture_evalsha() {
+	local port=$1 sql=$2 tag=$3 old
+	old=$("$RL_REDIS_CLI" -p "$port" CONFIG GET slowlog-log-slower-than | tail -1)
+	"$RL_REDIS_CLI" -p "$port" CONFIG SET slowlog-log-slower-than 0 >/dev/null &&
+		"$RL_REDIS_CLI" -p "$port" SLOWLOG RESET >/dev/null || return 1
+	psql -X -q -A -t -v ON_ERROR_STOP=1 -c "$sql" -c "$sql" >/dev/null || return 1
+	"$RL_REDIS_CLI" -p "$port" CONFIG SET slowlog-log-slower-than "$old" >/dev/null || return 1
+	"$RL_REDIS_CLI" -p "$port" --json SLOWLOG GET 128 | RL_TAG=$tag /usr/bin/python3 -c '
+import json, os, sys
+tag = os.environ["RL_TAG"]
+for entry in json.load(sys.stdin):          # newest first
+    args = entry[3]
+    if args and args[0].upper() == "EVALSHA" and any(tag in a for a in args):
+        if len(args) >= 32 or any(a.endswith("more bytes)") or "\n" in a for a in args):
+            sys.exit("the command is too long for SLOWLOG: %r" % args)
+        print("\n".join(args))
+        sys.exit(0)
+sys.exit("no EVALSHA on a key holding %s in SLOWLOG" % tag)
+'
+}
+
+# rl_redis_benchmark PORT CLIENTS REQUESTS RANDOM CMD...: runs
+# redis-benchmark -r RANDOM with the command CMD (__rand_int__ in it is
+# replaced by a random number below RANDOM on every request) and prints
+# "rps avg_latency_ms" from its CSV (header "test","rps","avg_latency_ms",...;
+# the latency has 3 decimals, i.e. 1 microsecond resolution). Fails, showing
+# redis-benchmark's output, when it fails or wrote no keys (it keeps going
+# when the server answers with errors).
+rl_redis_benchmark() {
+	local port=$1 clients=$2 requests=$3 random=$4 out before after
+	shift 4
+	before=$("$RL_REDIS_CLI" -p "$port" DBSIZE)
+	out=$(redis-benchmark -p "$port" -c "$clients" -n "$requests" -r "$random" --csv "$@" 2>&1) ||
+		{ echo "$out" >&2; echo "redis-benchmark failed" >&2; return 1; }
+	after=$("$RL_REDIS_CLI" -p "$port" DBSIZE)
+	[ "$after" -gt "$before" ] || { echo "$out" >&2; echo "redis-benchmark wrote no keys" >&2; return 1; }
+	awk -F, '
+		/^"test"/ { for (i = 1; i <= NF; i++) { gsub(/"/, "", $i); col[$i] = NF - i }; next }
+		/^"/ && ("rps" in col) { gsub(/"/, ""); print $(NF - col["rps"]), $(NF - col["avg_latency_ms"]); found = 1 }
+		END { exit !found }
+	' <<<"$out" || { echo "$out" >&2; echo "cannot read redis-benchmark's CSV" >&2; return 1; }
+}
+
+# Prints the median of the arguments (numbers).
+rl_median() {
+	printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# rl_pgbench_tps FILE CLIENTS SECONDS: runs pgbench -n -M prepared with the
+# script FILE (-j 2 for more than one client) and prints its TPS (without
+# the initial connection time). pgbench's "latency average" is
+# 1000 * clients / TPS when neither -R nor -P is used, printed to 3 decimals
+# only, so the benchmarks compute latencies from the TPS instead. Fails,
+# showing pgbench's output, when it fails or a transaction failed.
+rl_pgbench_tps() {
+	local file=$1 clients=$2 seconds=$3 threads=1 out tps failed
+	[ "$clients" -gt 1 ] && threads=2
+	out=$(pgbench -n -M prepared -T "$seconds" -c "$clients" -j "$threads" -f "$file" 2>&1) ||
+		{ echo "$out" >&2; return 1; }
+	failed=$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' <<<"$out")
+	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' <<<"$out")
+	if [ -z "$tps" ] || [ "${failed:-0}" != 0 ]; then
+		echo "$out" >&2
+		echo "pgbench: no TPS or failed transactions" >&2
+		return 1
+	fi
+	echo "$tps"
+}
+
+# Prints a command's arguments on one line, empty ones as ''.
+rl_show_cmd() {
+	local a out=
+	for a in "$@"; do
+		[ -z "$a" ] && a="''"
+		out+="$a "
+	done
+	echo "${out% }"
+}
+
+# rl_calc EXPR: prints the value of an awk expression, 6 decimals.
+rl_calc() {
+	awk "BEGIN { printf \"%.6f\", $1 }"
+}
+
+# rl_values KEY ARRAY: prints ARRAY[KEY.r] for each round r from 1 to
+# BENCH_ROUNDS, one a line (the benchmarks key their figures by round).
+rl_values() {
+	local -n arr=$2
+	local r
+	for ((r = 1; r <= BENCH_ROUNDS; r++)); do
+		echo "${arr[$1.$r]}"
+	done
+}
