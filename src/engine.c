@@ -1145,8 +1145,8 @@ rl_decide(const RlRequest *req, RlDecision *d)
 	int			worst = 0;
 	int			i;
 
-	Assert(req->n > 0 &&
-		   (req->n == 1 || (req->kind != RL_DECIDE_ONE && req->kind != RL_DECIDE_SLOT)));
+	Assert(req->kind == RL_DECIDE_EACH ? req->n >= 0 :
+		   req->n > 0 && (req->n == 1 || req->kind == RL_DECIDE_ALL));
 	rl_check_request(req);
 	switch (req->kind)
 	{
@@ -1162,7 +1162,8 @@ rl_decide(const RlRequest *req, RlDecision *d)
 			rl_decide_all(req->charges, req->n, req->by, d, &worst);
 			break;
 		case RL_DECIDE_EACH:
-			rl_decide_each(req, d);
+			if (req->n > 0)
+				rl_decide_each(req, d);
 			break;
 		case RL_DECIDE_SLOT:
 			rl_take_slot(&req->charges[0], d);
@@ -1211,15 +1212,12 @@ rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 
 	InitMaterializedSRF(fcinfo, 0);
 	d = palloc(sizeof(RlDecision) * Max(n, 1));
-	if (n > 0)
 	{
 		RlCharge	charge = {limit, policy, NULL, cost};
 		RlRequest	req = {RL_DECIDE_EACH, &charge, n, identities, RL_BY_CALL, NULL};
 
 		rl_decide(&req, d);
 	}
-	else
-		rl_check_limit(limit);
 	for (i = 0; i < n; i++)
 	{
 		Datum		values[6];

@@ -846,7 +846,8 @@ typedef enum RlRequestKind
 	RL_DECIDE_ALL,				/* charges[0..n-1], applied to all or to none */
 	RL_DECIDE_EACH,				/* identities[0..n-1], each on its own, under
 								 * charges[0]'s limit, policy and cost (its
-								 * identity unused): a batch */
+								 * identity unused): a batch, maybe empty (the
+								 * limit is still checked) */
 	RL_DECIDE_SLOT				/* charges[0] (n = 1): a concurrency slot of
 								 * its limit (no algorithm: lim slots, a lease
 								 * of window_ms), cost 1 */
