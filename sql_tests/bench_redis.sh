@@ -26,7 +26,10 @@
 #    identities). Every round runs each algorithm's extension call and
 #    right after its plain pattern, each from an empty Redis (FLUSHALL);
 #    the table gives per algorithm the median of the rounds and the median
-#    of the per-round ratios extension / plain (target >= 0.75).
+#    of the per-round ratios extension / plain (target >= 0.75), and beside
+#    them Redis's own time per EVALSHA (INFO commandstats, usec_per_call),
+#    which depends far less on the machine's other load. With two CPUs or
+#    more, Redis runs on the last CPU and redis-benchmark on the others.
 # 2. Memory per identity: for each algorithm, BENCH_IDENTITIES distinct
 #    identities called once each (redis-cli --pipe) through the
 #    extension's EVALSHA and then through the plain pattern:
@@ -86,6 +89,17 @@ rcli() {
 	"$RL_REDIS_CLI" -p "$RL_REDIS_PORT" "$@"
 }
 
+# With two CPUs or more, Redis runs on the last one and redis-benchmark on
+# the others, so that neither takes the other's CPU (on a 2-CPU machine the
+# figures of unpinned runs varied by a third from run to run)
+pinning="none (one CPU)"
+if [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then
+	redis_pid=$(rcli INFO server | tr -d '\r' | sed -n 's/^process_id://p')
+	taskset -a -p -c $(($(nproc) - 1)) "$redis_pid" >/dev/null || die "taskset of Redis failed"
+	export RL_BENCH_CLIENT_CPUS=0-$(($(nproc) - 2))
+	pinning="Redis on CPU $(($(nproc) - 1)), redis-benchmark on CPU(s) $RL_BENCH_CLIENT_CPUS"
+fi
+
 flush() {
 	[ "$(rcli FLUSHALL SYNC)" = OK ] || die "FLUSHALL failed"
 }
@@ -123,10 +137,13 @@ flush
 # redis-benchmark replaying SIDE's command of ALG
 run_redis() {
 	local -n cmd=cmd_${1}_$2
-	local rps
+	local rps us
+	[ "$(rcli CONFIG RESETSTAT)" = OK ] || die "CONFIG RESETSTAT failed"
 	read -r rps _ < <(rl_redis_benchmark "$RL_REDIS_PORT" "$CLIENTS" "$3" "$IDENTITIES" "${cmd[@]}")
 	[ -n "${rps:-}" ] || die "redis-benchmark of the $1 command of $2 gave no figures"
-	echo "$rps"
+	us=$(rcli INFO commandstats | tr -d '\r' | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
+	[ -n "$us" ] || die "no EVALSHA in Redis's commandstats after the $1 command of $2"
+	echo "$rps $us"
 }
 
 # fmt3 VALUE...: the values with 3 decimals, on one line
@@ -151,6 +168,7 @@ echo "PostgreSQL  : $(psql -X -A -t -c 'SHOW server_version'), rl_redis" \
 echo "Redis       : $(rcli INFO server | tr -d '\r' | sed -n 's/^redis_version://p'), $(redis-benchmark --version | head -1)"
 echo "runs        : redis-benchmark -c $CLIENTS -n $BENCH_REQUESTS -r $IDENTITIES, $BENCH_ROUNDS round(s)," \
 	"loopback TCP; lim $LIM, window_ms $WINDOW_MS"
+echo "pinning     : $pinning"
 for alg in "${ALGORITHMS[@]}"; do
 	declare -n ext=cmd_ext_$alg plain=cmd_plain_$alg
 	echo "$alg: rl_${alg}_allow sends  $(rl_show_cmd "${ext[@]//__rand_int__/<n>}")"
@@ -176,23 +194,26 @@ cat >"$work/sliding.sql" <<-EOT
 	SELECT rl_sliding_allow('bench:' || :id, $LIM, $WINDOW_MS);
 EOT
 
-declare -A rps ratio tps
+declare -A rps us ratio tps
 declare -a e8 e8ext # indexed by round
 row() {
-	printf '  %-16s %12s %12s %8s\n' "$@"
+	printf '  %-16s %12s %12s %8s %10s %10s\n' "$@"
 }
 for ((r = 1; r <= BENCH_ROUNDS; r++)); do
 	echo
-	echo "round $r of $BENCH_ROUNDS (requests per second, $CLIENTS connections)"
-	row algorithm extension plain ratio
+	echo "round $r of $BENCH_ROUNDS (requests per second, $CLIENTS connections; Redis's own time per"
+	echo "EVALSHA from its commandstats, microseconds)"
+	row algorithm extension plain ratio "ext. us" "plain us"
 	for alg in "${ALGORITHMS[@]}"; do
 		for side in ext plain; do
-			rps[$side/$alg.$r]=$(run_redis "$side" "$alg" "$BENCH_REQUESTS") || exit 1
+			read -r rps[$side/$alg.$r] us[$side/$alg.$r] < <(run_redis "$side" "$alg" "$BENCH_REQUESTS") ||
+				exit 1
+			[ -n "${us[$side/$alg.$r]:-}" ] || exit 1
 			flush
 		done
 		ratio[$alg.$r]=$(rl_calc "${rps[ext/$alg.$r]} / ${rps[plain/$alg.$r]}")
 		row "$alg" "$(printf %.0f "${rps[ext/$alg.$r]}")" "$(printf %.0f "${rps[plain/$alg.$r]}")" \
-			"$(printf %.3f "${ratio[$alg.$r]}")"
+			"$(printf %.3f "${ratio[$alg.$r]}")" "${us[ext/$alg.$r]}" "${us[plain/$alg.$r]}"
 	done
 	for w in select1 sliding; do
 		tps[$w.$r]=$(rl_pgbench_tps "$work/$w.sql" "$CLIENTS" "$BENCH_SECONDS") || die "pgbench $w failed"
@@ -208,12 +229,14 @@ done
 echo
 echo "Redis throughput: median of $BENCH_ROUNDS round(s), requests per second; ratio = median of the"
 echo "rounds' extension / plain (each round's pair ran one right after the other)"
-printf '  %-16s %10s %10s %8s %8s  %-8s %s\n' algorithm extension plain ratio target verdict "per round"
+printf '  %-16s %10s %10s %8s %8s  %-8s %-20s %8s %8s\n' algorithm extension plain ratio target verdict \
+	"per round" "ext. us" "plain us"
 for alg in "${ALGORITHMS[@]}"; do
 	v=$(rl_median $(rl_values "$alg" ratio))
-	printf '  %-16s %10.0f %10.0f %8.3f %8s  %-8s %s\n' "$alg" "$(rl_median $(rl_values "ext/$alg" rps))" \
-		"$(rl_median $(rl_values "plain/$alg" rps))" "$v" ">= $TARGET" "$(verdict "$v" ">=" "$TARGET")" \
-		"$(fmt3 $(rl_values "$alg" ratio))"
+	printf '  %-16s %10.0f %10.0f %8.3f %8s  %-8s %-20s %8.2f %8.2f\n' "$alg" \
+		"$(rl_median $(rl_values "ext/$alg" rps))" "$(rl_median $(rl_values "plain/$alg" rps))" "$v" \
+		">= $TARGET" "$(verdict "$v" ">=" "$TARGET")" "$(fmt3 $(rl_values "$alg" ratio))" \
+		"$(rl_median $(rl_values "ext/$alg" us))" "$(rl_median $(rl_values "plain/$alg" us))"
 done
 
 # ---------------------------------------------------------------------------

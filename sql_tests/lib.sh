@@ -149,12 +149,14 @@ sys.exit("no EVALSHA on a key holding %s in SLOWLOG" % tag)
 # "rps avg_latency_ms" from its CSV (header "test","rps","avg_latency_ms",...;
 # the latency has 3 decimals, i.e. 1 microsecond resolution). Fails, showing
 # redis-benchmark's output, when it fails or wrote no keys (it keeps going
-# when the server answers with errors).
+# when the server answers with errors). With RL_BENCH_CLIENT_CPUS set,
+# redis-benchmark runs on those CPUs only (taskset -c).
 rl_redis_benchmark() {
 	local port=$1 clients=$2 requests=$3 random=$4 out before after
 	shift 4
 	before=$("$RL_REDIS_CLI" -p "$port" DBSIZE)
-	out=$(redis-benchmark -p "$port" -c "$clients" -n "$requests" -r "$random" --csv "$@" 2>&1) ||
+	out=$(${RL_BENCH_CLIENT_CPUS:+taskset -c "$RL_BENCH_CLIENT_CPUS"} \
+		redis-benchmark -p "$port" -c "$clients" -n "$requests" -r "$random" --csv "$@" 2>&1) ||
 		{ echo "$out" >&2; echo "redis-benchmark failed" >&2; return 1; }
 	after=$("$RL_REDIS_CLI" -p "$port" DBSIZE)
 	[ "$after" -gt "$before" ] || { echo "$out" >&2; echo "redis-benchmark wrote no keys" >&2; return 1; }
