@@ -206,17 +206,20 @@ SQL
 
 # ---------------------------------------------------------------------------
 section "e) the keys in Redis"
-say "<prefix><algorithm>:{<identity>}:<lim>/<window_ms> for a limit given as arguments,"
-say "<prefix><algorithm>:{<identity>}:<policy>:/<window_ms> for a named sliding policy: two limits on one"
-say "identity are two counters. fixed = hash (w = window start, n = count, ts = latest clock, µs),"
-say "sliding = sorted set (one member per unit, score = time in microseconds);"
+say "<prefix><kind>:{<identity>}:<lim>/<window_ms> for a limit given as arguments,"
+say "<prefix><kind>:{<identity>}:<policy>:/<window_ms> for a named sliding policy: two limits on one"
+say "identity are two counters. fixed.2 = a packed string of 22 bytes (units used, window number,"
+say "the key's epoch, the lim), sliding = sorted set (one member per unit, score = time in microseconds);"
 say "every key expires on its own (PEXPIRE) once its window has passed."
 printf '   %-56s %-6s %s\n' key type "ttl ms"
 rcli --scan --pattern 'rl:*' | sort | while read -r key; do
 	printf '   %-56s %-6s %s\n' "$key" "$(rcli TYPE "$key")" "$(rcli PTTL "$key")"
 done
-say "e.g. the fixed-window hash of batch 2 (5 per 2000 ms):"
-rcli HGETALL "rl:fixed:{$tag:fixed}:5/2000" | paste - - | sed 's/^/   /'
+say "e.g. the fixed-window state of batch 2 (5 per 2000 ms), unpacked:"
+rcli EVAL "local v = redis.call('GET', KEYS[1]) if not v then return {'(expired)'} end
+local n, w, e, l = struct.unpack('<I4I7I7I4', v)
+return {'units ' .. n, 'window ' .. w, 'epoch ' .. string.format('%.0f', e), 'lim ' .. l}" \
+	1 "rl:fixed.2:{$tag:fixed}:5/2000" | sed 's/^/   /'
 
 if [ -d examples/http_service ]; then
 	echo

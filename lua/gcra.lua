@@ -3,11 +3,13 @@
 -- State: a hash with b = the backlog (µs): how far the theoretical arrival
 -- time (TAT), when the identity is back to a full allowance, lies ahead of
 -- ts = the latest clock a call used (µs); plus the refund records (see
--- records_add). The backlog is kept relative to ts, not as an absolute TAT,
+-- records.lua). The backlog is kept relative to ts, not as an absolute TAT,
 -- so that it keeps its precision (an absolute time near 2^50 µs has only
 -- 1/8 µs, which at 10^8 units per second is a dozen units). Decisions are
 -- taken in units (backlog / interval) against the capacity. The key expires
--- when the backlog runs out. (Release 1.2 kept the TAT as a plain string;
+-- when the backlog runs out. The key's name carries lim, window_ms and
+-- the burst (see src/keys.c), so the state needs no limit of its own.
+-- (Release 1.2 kept the TAT as a plain string;
 -- such a key is read once and rewritten as a hash.)
 -- A rolled-back charge shortens the backlog by what its scope's record
 -- still owes.
@@ -17,7 +19,7 @@ ALG.gcra = {}
 -- when there is none). The expiry is the last write of a call.
 local function gcra_save(key, p, b, now, real)
   if b > 0 then
-    redis.call('HSET', key, 'b', num(b), 'ts', num(now), 'l', limit_sig(p))
+    redis.call('HSET', key, 'b', num(b), 'ts', num(now))
     expire(key, math.max(ms(b), 1), now, real)
   else
     redis.call('DEL', key)
@@ -42,65 +44,59 @@ local function gcra_state(key, p, now)
 end
 
 ALG.gcra.decide = function(key, p, cost, real, scopes)
-  local now, backlog, records = gcra_state(key, p, real)
+  local now, backlog, nrec = gcra_state(key, p, real)
   local cap = p.cap
   local interval = p.window_ms * 1000 / p.lim   -- µs per unit
   local eps = 1e-9 + cap * 1e-13                -- rounding, in units
-
-  -- units that still fit with backlog b
-  local function room(b)
-    return math.max(math.floor(cap - b / interval + eps), 0)
-  end
-  local function fits_at(t, units)
-    return math.max(backlog - (t - now), 0) / interval + units <= cap + eps
-  end
+  local b
 
   if cost < 0 then
-    local b = math.max(backlog + cost * interval, 0)
-    return {1, cap, room(b), ms(b), 0, now, 0}, function()
-      if b > 0 and records > 0 then
-        local recs = records_read(key)
-        records_lower(recs, b)
-        records_write(key, recs)
-      end
-      gcra_save(key, p, b, now, real)
+    b = math.max(backlog + cost * interval, 0)
+  elseif backlog / interval + cost <= cap + eps then
+    b = backlog + cost * interval
+  else
+    -- denied: the first ms at which cost units fit
+    local retry = -1
+    if cost <= cap then
+      retry = first_ms(backlog - (cap - cost) * interval, now, function(t)
+        return math.max(backlog - (t - now), 0) / interval + cost <= cap + eps
+      end)
     end
+    return {0, cap, math.max(math.floor(cap - backlog / interval + eps), 0),
+            ms(backlog), retry, now, 0}, nil
   end
-  if fits_at(now, cost) then
-    local b = backlog + cost * interval
-    local commit = nil
-    if cost > 0 then
-      commit = function()
-        if records > 0 or #scopes > 0 then
-          local recs = {}
-          if records > 0 then
-            recs = records_read(key)
-            records_lower(recs, backlog)
-          end
-          records_add(recs, scopes, cost * interval, now)
-          records_lower(recs, b)
-          records_write(key, recs)
-        end
-        gcra_save(key, p, b, now, real)
+  -- units that still fit with backlog b
+  local result = {1, cap, math.max(math.floor(cap - b / interval + eps), 0),
+                  ms(b), 0, now, 0}
+  if cost == 0 then return result, nil end
+  return result, function()
+    if cost < 0 and b > 0 and nrec > 0 then
+      local R = records()
+      local recs = R.read(key)
+      R.lower(recs, b)
+      R.write(key, recs)
+    elseif cost > 0 and (nrec > 0 or #scopes > 0) then
+      local R = records()
+      local recs = {}
+      if nrec > 0 then
+        recs = R.read(key)
+        R.lower(recs, backlog)
       end
+      R.add(recs, scopes, cost * interval, now)
+      R.lower(recs, b)
+      R.write(key, recs)
     end
-    return {1, cap, room(b), ms(b), 0, now, 0}, commit
+    gcra_save(key, p, b, now, real)
   end
-  local retry = -1
-  if cost <= cap then
-    retry = first_ms(backlog - (cap - cost) * interval, now,
-                     function(t) return fits_at(t, cost) end)
-  end
-  return {0, cap, room(backlog), ms(backlog), retry, now, 0}, nil
 end
 
 ALG.gcra.refund = function(key, p, real, r)
-  local now, backlog, records = gcra_state(key, p, real)
-  if records == 0 or backlog <= 0 then return end
-  local recs = records_read(key)
-  records_lower(recs, backlog)
-  local b = backlog - records_take(recs, r, backlog)
-  records_lower(recs, b)
-  records_write(key, recs)
+  local now, backlog, nrec = gcra_state(key, p, real)
+  if nrec == 0 or backlog <= 0 then return end
+  local recs = records().read(key)
+  records().lower(recs, backlog)
+  local b = backlog - records().take(recs, r, backlog)
+  records().lower(recs, b)
+  records().write(key, recs)
   gcra_save(key, p, b, now, real)
 end

@@ -7,15 +7,15 @@
 for i = 1, #KEYS do
   local key = KEYS[i]
   if redis.call('EXISTS', key) == 1 then
-    local recs = records_read(key)
+    local recs = records().read(key)
     local gone = false
     for scope, r in pairs(recs) do
-      if top_of(scope) == ARGV[1] then
+      if records().top_of(scope) == ARGV[1] then
         r[1] = 0
         gone = true
       end
     end
-    if gone then records_write(key, recs) end
+    if gone then records().write(key, recs) end
   end
 end
 return #KEYS

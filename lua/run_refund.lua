@@ -18,11 +18,6 @@ for i = 1, #KEYS do
   r.idx, r.units, r.prev = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6]),
     tonumber(ARGV[b + 7])
   r.epoch, r.first = tonumber(ARGV[b + 8]), tonumber(ARGV[b + 9])
-  -- a hash state written under another limit (a policy changed) gives
-  -- nothing back; the sliding log removes only the scope's own entries
-  if ARGV[b + 1] == 'sliding' or
-     redis.pcall('HGET', KEYS[i], 'l') == limit_sig(p) then
-    ALG[ARGV[b + 1]].refund(KEYS[i], p, now, r)
-  end
+  ALG[ARGV[b + 1]].refund(KEYS[i], p, now, r)
 end
 return #KEYS

@@ -1,41 +1,52 @@
 -- Sliding window counter (two-window approximation).
--- State: a hash with w = start of the current window (ms), c = units used in
--- it, p = units used in the window before, ts = the latest clock a call used
--- (µs) and e = the key's epoch (see new_epoch). The estimate of the last
--- window_ms is p weighted by how much of the previous window still overlaps
--- it, plus c. O(1) memory; exact when the previous window's units were
--- spread evenly. The key expires when both windows have passed.
+-- State: a string of COUNTER_BYTES bytes, struct COUNTER_FORMAT: c = units
+-- used in window w, p = units used in the window before, w = the window's
+-- number, ts = the latest clock a call used (µs), e = the key's epoch (see
+-- new_epoch) and l = the lim it was last written under. The estimate of the
+-- last window_ms is p weighted by how much of the previous window still
+-- overlaps it, plus c. O(1) memory; exact when the previous window's units
+-- were spread evenly. The key expires when both windows have passed.
 -- A rolled-back charge gives back its units from the count of the window it
--- was taken in, while that window is the current or the previous one and
--- the key is the one they were taken from.
+-- was taken in, while that window is the current or the previous one, the
+-- key is the one they were taken from and its state was last written under
+-- the charge's lim (see fixed_window.lua).
+-- (Release 1.5 and before kept a hash under the kind "sliding_counter";
+-- keys of kind "sliding_counter.2" hold this layout only.)
 ALG.sliding_counter = {}
 
+local COUNTER_FORMAT = '<I4I4I7I7I7I4'
+local COUNTER_BYTES = 33
+
 -- Reads the key as of now (never earlier than ts): the window's number and
--- start (ms), the current and previous counts and the key's epoch.
+-- start (ms), the current and previous counts, the key's epoch and the lim
+-- its state was written under (nil, nil without a key).
 local function counter_state(key, p, now)
-  local state = redis.call('HMGET', key, 'w', 'c', 'p', 'ts', 'e')
-  now = math.max(now, tonumber(state[4]) or 0)
+  local v = redis.call('GET', key)
   local W = p.window_ms
-  local idx = math.floor(now / (W * 1000))
-  local start = idx * W
-  local c, prev = 0, 0
-  local w = tonumber(state[1])
-  if w == start then
-    c, prev = tonumber(state[2]) or 0, tonumber(state[3]) or 0
-  elseif w == start - W then
-    prev = tonumber(state[2]) or 0
+  local c, prev, w, epoch, lim = 0, 0, nil, nil, nil
+  if v then
+    if #v ~= COUNTER_BYTES then wrong_kind() end
+    local sc, sp, ts
+    sc, sp, w, ts, epoch, lim = struct.unpack(COUNTER_FORMAT, v)
+    now = math.max(now, ts)
+    local idx = math.floor(now / (W * 1000))
+    if w == idx then
+      c, prev = sc, sp
+    elseif w == idx - 1 then
+      prev = sc
+    end
   end
-  return now, idx, start, c, prev, tonumber(state[5])
+  local idx = math.floor(now / (W * 1000))
+  return now, idx, idx * W, c, prev, epoch, lim
 end
 
--- Writes the counts (or deletes the key when both are zero); returns the
--- key's epoch (a new one when the key is made).
-local function counter_save(key, p, start, c, prev, now, real, epoch)
+-- Writes the counts (or deletes the key when both are zero), with its
+-- expiry; returns the key's epoch (a new one when the key is made).
+local function counter_save(key, p, idx, start, c, prev, now, real, epoch)
   if c > 0 or prev > 0 then
     epoch = epoch or new_epoch()
-    redis.call('HSET', key, 'w', num(start), 'c', c, 'p', prev, 'ts', num(now),
-               'e', num(epoch), 'l', limit_sig(p))
-    expire(key, math.ceil(start + 2 * p.window_ms - now / 1000), now, real)
+    redis.call('SET', key, struct.pack(COUNTER_FORMAT, c, prev, idx, now, epoch, p.lim),
+               'PX', ttl_ms(math.ceil(start + 2 * p.window_ms - now / 1000), now, real))
   else
     redis.call('DEL', key)
   end
@@ -68,7 +79,7 @@ ALG.sliding_counter.decide = function(key, p, cost, real)
   end
   local function save(cur, r)
     return function()
-      r[7] = counter_save(key, p, start, cur, prev, now, real, epoch) or 0
+      r[7] = counter_save(key, p, idx, start, cur, prev, now, real, epoch) or 0
     end
   end
 
@@ -101,8 +112,8 @@ ALG.sliding_counter.decide = function(key, p, cost, real)
 end
 
 ALG.sliding_counter.refund = function(key, p, real, r)
-  local now, idx, start, c, prev, epoch = counter_state(key, p, real)
-  if epoch == nil or epoch ~= r.epoch then return end
+  local now, idx, start, c, prev, epoch, lim = counter_state(key, p, real)
+  if epoch == nil or epoch ~= r.epoch or lim ~= p.lim then return end
   if r.idx == idx then
     c = math.max(c - r.units, 0)
     prev = math.max(prev - r.prev, 0)
@@ -111,5 +122,5 @@ ALG.sliding_counter.refund = function(key, p, real, r)
   else
     return
   end
-  counter_save(key, p, start, c, prev, now, real, epoch)
+  counter_save(key, p, idx, start, c, prev, now, real, epoch)
 end

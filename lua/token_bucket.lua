@@ -1,9 +1,10 @@
 -- Token bucket.
 -- State: a hash with t = tokens in the bucket and ts = when t was measured
--- (µs), plus the refund records (see records_add). The bucket holds up to
+-- (µs), plus the refund records (see records.lua). The bucket holds up to
 -- cap tokens and refills continuously at lim tokens per window_ms; a call
 -- takes cost tokens. A full bucket is the same as no key, so the key
--- expires when the bucket is full.
+-- expires when the bucket is full. The key's name carries lim, window_ms
+-- and the burst (see src/keys.c), so the state needs no limit of its own.
 -- A rolled-back charge gives back what its scope's record still owes: the
 -- tokens the bucket would hold had the charges never happened.
 ALG.token_bucket = {}
@@ -34,71 +35,61 @@ local function bucket_save(key, p, have, now, real)
     redis.call('DEL', key)
   else
     local rate = p.lim / (p.window_ms * 1000)
-    redis.call('HSET', key, 't', num(have), 'ts', num(now), 'l', limit_sig(p))
+    redis.call('HSET', key, 't', num(have), 'ts', num(now))
     expire(key, math.max(ms((p.cap - have) / rate), 1), now, real)
   end
 end
 
 ALG.token_bucket.decide = function(key, p, cost, real, scopes)
-  local now, tokens, records = bucket_state(key, p, real)
+  local now, tokens, nrec = bucket_state(key, p, real)
   local cap = p.cap
   local rate = p.lim / (p.window_ms * 1000)   -- tokens per µs
   local eps = bucket_eps(cap)
-
-  local function fits_at(t, units)
-    return math.min(cap, tokens + (t - now) * rate) + eps >= units
-  end
-  local function result(allowed, have, retry)
-    return {allowed, cap, math.floor(have + eps),
-            math.max(ms((cap - have) / rate), 0), retry, now, 0}
-  end
+  local have
 
   if cost < 0 then
-    local have = math.min(cap, tokens - cost)
-    return result(1, have, 0), function()
-      if have < cap and records > 0 then
-        local recs = records_read(key)
-        records_lower(recs, cap - have)
-        records_write(key, recs)
-      end
-      bucket_save(key, p, have, now, real)
+    have = math.min(cap, tokens - cost)
+  elseif tokens + eps >= cost then
+    have = math.max(tokens - cost, 0)
+  else
+    -- denied: the first ms at which cost tokens are there
+    local retry = -1
+    if cost <= cap then
+      retry = first_ms((cost - tokens - eps) / rate, now, function(t)
+        return math.min(cap, tokens + (t - now) * rate) + eps >= cost
+      end)
     end
+    return {0, cap, math.floor(tokens + eps),
+            math.max(ms((cap - tokens) / rate), 0), retry, now, 0}, nil
   end
-  if fits_at(now, cost) then
-    local have = math.max(tokens - cost, 0)
-    local commit = nil
-    if cost > 0 then
-      commit = function()
-        if have < cap and (records > 0 or #scopes > 0) then
-          local recs = {}
-          if records > 0 then
-            recs = records_read(key)
-            records_lower(recs, cap - tokens)
-          end
-          records_add(recs, scopes, tokens - have, now)
-          records_lower(recs, cap - have)
-          records_write(key, recs)
-        end
-        bucket_save(key, p, have, now, real)
+  local result = {1, cap, math.floor(have + eps),
+                  math.max(ms((cap - have) / rate), 0), 0, now, 0}
+  if cost == 0 then return result, nil end
+  return result, function()
+    if have < cap and (nrec > 0 or (cost > 0 and #scopes > 0)) then
+      local R = records()
+      local recs = {}
+      if nrec > 0 then
+        recs = R.read(key)
+        -- an administrator's refund (cost < 0) lowers the records to the
+        -- new deficit; a charge first to the old one, then adds its own
+        if cost > 0 then R.lower(recs, cap - tokens) end
       end
+      if cost > 0 then R.add(recs, scopes, tokens - have, now) end
+      R.lower(recs, cap - have)
+      R.write(key, recs)
     end
-    return result(1, have, 0), commit
+    bucket_save(key, p, have, now, real)
   end
-  local retry = -1
-  if cost <= cap then
-    retry = first_ms((cost - tokens - eps) / rate, now,
-                     function(t) return fits_at(t, cost) end)
-  end
-  return result(0, tokens, retry), nil
 end
 
 ALG.token_bucket.refund = function(key, p, real, r)
-  local now, tokens, records = bucket_state(key, p, real)
-  if records == 0 or tokens >= p.cap then return end
-  local recs = records_read(key)
-  records_lower(recs, p.cap - tokens)
-  local have = math.min(p.cap, tokens + records_take(recs, r, p.cap - tokens))
-  records_lower(recs, p.cap - have)
-  records_write(key, recs)
+  local now, tokens, nrec = bucket_state(key, p, real)
+  if nrec == 0 or tokens >= p.cap then return end
+  local recs = records().read(key)
+  records().lower(recs, p.cap - tokens)
+  local have = math.min(p.cap, tokens + records().take(recs, r, p.cap - tokens))
+  records().lower(recs, p.cap - have)
+  records().write(key, recs)
   bucket_save(key, p, have, now, real)
 end

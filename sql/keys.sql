@@ -5,16 +5,17 @@ SELECT current_setting('rl_redis.port') AS port \gset
 \setenv RLPORT :port
 \! redis-cli -p $RLPORT eval "for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end" 0 'rlkeys:*'
 
--- <key_prefix><algorithm>:{<identity>}:<lim>/<window_ms>: a hash for fixed, a
--- sorted set for sliding; two limits on one identity are two counters
+-- <key_prefix><kind>:{<identity>}:<lim>/<window_ms>: a string (packed) for
+-- fixed, whose kind is fixed.2, a sorted set for sliding; two limits on one
+-- identity are two counters
 SELECT rl_fixed_allow('tenant:acme:user:42', 5, 60000),
        rl_sliding_allow('tenant:acme:user:42', 5, 60000);
 \! redis-cli -p $RLPORT --no-raw --scan --pattern 'rlkeys:*' | sort
-\! redis-cli -p $RLPORT type 'rlkeys:fixed:{tenant:acme:user:42}:5/60000'
+\! redis-cli -p $RLPORT type 'rlkeys:fixed.2:{tenant:acme:user:42}:5/60000'
 \! redis-cli -p $RLPORT type 'rlkeys:sliding:{tenant:acme:user:42}:5/60000'
 \! redis-cli -p $RLPORT zcard 'rlkeys:sliding:{tenant:acme:user:42}:5/60000'
 -- both keys expire by themselves, within one window
-\! for k in 'rlkeys:fixed:{tenant:acme:user:42}:5/60000' 'rlkeys:sliding:{tenant:acme:user:42}:5/60000'; do t=$(redis-cli -p $RLPORT pttl "$k"); if [ "$t" -gt 0 ] && [ "$t" -le 60000 ]; then echo "$k expires"; else echo "$k has pttl $t"; fi; done
+\! for k in 'rlkeys:fixed.2:{tenant:acme:user:42}:5/60000' 'rlkeys:sliding:{tenant:acme:user:42}:5/60000'; do t=$(redis-cli -p $RLPORT pttl "$k"); if [ "$t" -gt 0 ] && [ "$t" -le 60000 ]; then echo "$k expires"; else echo "$k has pttl $t"; fi; done
 
 SELECT rl_fixed_allow('tenant:acme:user:42', 1, 60000),
        rl_fixed_allow('tenant:acme:user:42', 1, 3600000),

@@ -37,6 +37,7 @@ import resource
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -241,23 +242,29 @@ def set_gucs(conn, **gucs):
         )
 
 
+# the kind in the keys of an algorithm whose state changed layout (README,
+# "Keys in Redis")
+KEY_KINDS = {"fixed": "fixed.2", "sliding_counter": "sliding_counter.2"}
+
+
 def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None,
            prefix="rl:"):
     """The documented Redis key of a decision:
-      explicit: <prefix><algorithm>:{<enc(identity)>}:<lim>/<window_ms>[/<burst>]
-      policy:   <prefix><algorithm>:{<enc(identity)>}:<policy>:<lim>/<window_ms>[/<burst>]
+      explicit: <prefix><kind>:{<enc(identity)>}:<lim>/<window_ms>[/<burst>]
+      policy:   <prefix><kind>:{<enc(identity)>}:<policy>:<lim>/<window_ms>[/<burst>]
                 (token_bucket and gcra)
-                <prefix><algorithm>:{<enc(identity)>}:<policy>:/<window_ms>
+                <prefix><kind>:{<enc(identity)>}:<policy>:/<window_ms>
                 (fixed, sliding and sliding_counter: lim is left out)
                 <prefix>concurrency:{<enc(identity)>}:<policy>
-    (concurrency: window_ms is the lease) where enc() percent-encodes '%',
-    '{' and '}', and the burst is written only when it differs from lim.
+    (concurrency: window_ms is the lease) where kind is the algorithm's
+    (KEY_KINDS), enc() percent-encodes '%', '{' and '}', and the burst is
+    written only when it differs from lim.
     Give lim and window_ms (and burst when the call or the policy has one),
     and the policy's name for a policy."""
     if lim is None or window_ms is None:
         raise ValueError("rl_key needs lim and window_ms")
     enc = identity.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-    key = "%s%s:{%s}:" % (prefix, algorithm, enc)
+    key = "%s%s:{%s}:" % (prefix, KEY_KINDS.get(algorithm, algorithm), enc)
     if policy is not None and algorithm == "concurrency":
         return key + policy
     if policy is not None:
@@ -268,6 +275,14 @@ def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=Non
     if burst is not None and burst != lim:
         key += "/%d" % burst
     return key
+
+
+def fixed_units(state):
+    """The units a fixed window's state holds (the GET reply of its key: see
+    lua/fixed_window.lua), as a string, or None when there is no key."""
+    if state is None:
+        return None
+    return str(struct.unpack_from("<I", state.encode(errors="surrogateescape"))[0])
 
 
 def same_fixed_window(redis, window_ms, body, attempts=4):
@@ -372,7 +387,8 @@ def _read_reply(f):
         if n < 0:
             return None
         data = f.read(n + 2)
-        return data[:-2].decode()
+        # bytes that are not UTF-8 (a packed state) kept: fixed_units
+        return data[:-2].decode(errors="surrogateescape")
     if kind == b"*":
         n = int(rest)
         if n < 0:

@@ -42,11 +42,13 @@ VERSION=$(sed -n "s/^default_version = '\(.*\)'$/\1/p" rl_redis.control)
 
 # measure ALG LIM: prints "<bytes> <encoding>"
 measure() {
-	local alg=$1 lim=$2 key out remaining
+	local alg=$1 lim=$2 key out remaining kind=$1
+	# the kind in the key of an algorithm whose state changed layout
+	case $alg in fixed | sliding_counter) kind=$alg.2 ;; esac
 	if [ "$alg" = concurrency ]; then
-		key="rl:$alg:{$IDENT}:$lim/$LEASE_MS"
+		key="rl:$kind:{$IDENT}:$lim/$LEASE_MS"
 	else
-		key="rl:$alg:{$IDENT}:$lim/$DAY_MS"
+		key="rl:$kind:{$IDENT}:$lim/$DAY_MS"
 	fi
 	rcli DEL "$key" >/dev/null
 	if [ "$alg" = concurrency ]; then
@@ -82,7 +84,7 @@ for alg in "${ALGS[@]}"; do
 done
 
 echo
-echo "Redis memory per identity, bytes (MEMORY USAGE ... SAMPLES 0; $(redis-server --version | awk '{print $1, $3}'), key rl:<algorithm>:{$IDENT}:<lim>/<window or lease ms>, filled to lim)"
+echo "Redis memory per identity, bytes (MEMORY USAGE ... SAMPLES 0; $(redis-server --version | awk '{print $1, $3}'), key rl:<kind>:{$IDENT}:<lim>/<window or lease ms>, filled to lim)"
 echo
 printf '| %-15s |' algorithm
 for lim in "${LIMS[@]}"; do printf ' %9s |' "lim $lim"; done

@@ -28,7 +28,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import Hammer, new_ident, pg_connect, rl_key, set_gucs
+from conftest import fixed_units, Hammer, new_ident, pg_connect, rl_key, set_gucs
 from redis_topology import (connections, made_policies, backend_identity, fresh_redis_cluster, identity_slot, idents_in_slot,  # noqa: F401
                             redis_cluster, wait_for)
 
@@ -264,7 +264,7 @@ def test_policies_check_and_check_all(sessions, policies, redis_cluster):
                                   ("token_bucket", p_bucket, (4, 60000, 4))):
             assert holders(redis_cluster, rl_key(alg, identity, pol, *numbers)) == [where[identity]]
         m = where[identity]
-        assert m.command("HGET", rl_key("fixed", identity, p_fixed, 3, 60000), "n") == "3"
+        assert fixed_units(m.command("GET", rl_key("fixed", identity, p_fixed, 3, 60000))) == "3"
         assert m.command("ZCARD", rl_key("sliding", identity, p_sliding, 5, 60000)) == 5
 
 
@@ -309,7 +309,7 @@ def test_row_guard_across_masters(sessions, policies, tables, redis_cluster):
         assert remaining(conn, policy, t) == 0
         key = rl_key("fixed", t, policy=policy, lim=3, window_ms=60000)
         assert holders(redis_cluster, key) == [where[t]]
-        assert where[t].command("HGET", key, "n") == "3"
+        assert fixed_units(where[t].command("GET", key)) == "3"
     assert conn.execute("SELECT count(*) FROM %s" % table).fetchone()[0] == 3 * len(tenants)
 
 
@@ -329,7 +329,7 @@ def test_statement_guard_across_masters(sessions, policies, tables, redis_cluste
         assert remaining(conn, policy, t) == 10 - charged, t
         key = rl_key("fixed", t, policy=policy, lim=10, window_ms=60000)
         assert holders(redis_cluster, key) == [where[t]]
-        assert where[t].command("HGET", key, "n") == str(charged)
+        assert fixed_units(where[t].command("GET", key)) == str(charged)
 
 
 @pytest.mark.parametrize("refund_on_abort", ["guards", "off"])
@@ -409,7 +409,7 @@ def test_statement_guard_timeout_waits_for_every_slot(sessions, policies, tables
         assert left == dict.fromkeys(tenants, lim), (run, paused, left)
         for t in tenants:
             key = rl_key("fixed", t, policy=policy, lim=lim, window_ms=60000)
-            assert where[t].command("HGET", key, "n") in (None, "0"), (run, t, where[t])
+            assert fixed_units(where[t].command("GET", key)) in (None, "0"), (run, t, where[t])
     assert conn.execute("SELECT count(*) FROM %s" % table).fetchone()[0] == 0
 
 
@@ -570,7 +570,7 @@ def test_many_sessions_one_identity(sessions, redis_cluster):
     allowed = [sum(1 for r in h.calls() if r[4][0] == k and r[4][1]) for k in range(2)]
     assert sum(1 for r in h.calls() if r[4][0] == 0) > 2 * lim  # contention
     assert allowed == [lim, lim], allowed
-    assert other.command("HGET", rl_key("fixed", identity, lim=lim, window_ms=HUGE_WINDOW_MS), "n") == str(lim)
+    assert fixed_units(other.command("GET", rl_key("fixed", identity, lim=lim, window_ms=HUGE_WINDOW_MS))) == str(lim)
     assert other.command("ZCARD", rl_key("sliding", identity, lim=lim, window_ms=LONG_WINDOW_MS)) == lim
 
 
@@ -620,7 +620,7 @@ def test_one_seed_reaches_every_master(sessions, redis_cluster, seed):
         assert got == [True, True, True, False], i
         key = rl_key("fixed", i, lim=3, window_ms=HUGE_WINDOW_MS)
         assert holders(redis_cluster, key) == [where[i]]
-        assert where[i].command("HGET", key, "n") == "3"
+        assert fixed_units(where[i].command("GET", key)) == "3"
 
 
 def test_ping_lists_every_master(sessions, redis_cluster):
@@ -650,7 +650,7 @@ def test_stale_map_after_a_migration(sessions, redis_cluster):
     got = [conn.execute(fixed, (identity, HUGE_WINDOW_MS)).fetchone() for _ in range(4)]
     assert got == [(True, 2), (True, 1), (True, 0), (False, 0)]
     assert conn.execute(sliding, (identity, LONG_WINDOW_MS)).fetchone() == (True, 8)
-    assert dst.command("HGET", fkey, "n") == "5"
+    assert fixed_units(dst.command("GET", fkey)) == "5"
     assert holders(redis_cluster, fkey) == [dst]
     # and back again, with a call in every half-moved state of the slot
     during = []
@@ -689,12 +689,12 @@ def test_transaction_end_work_follows_a_moved_slot(sessions, redis_cluster, end,
                          ).fetchone()[0] for _ in range(2)] == [True, True]
     assert decide(conn, "fixed", identity, 5, 60000, 3)[:3] == (True, 5, 1)
     redis_cluster.migrate_slot(identity_slot(identity), dst, batch=10)
-    assert (dst.command("ZCARD", ckey), dst.command("HGET", fkey, "n")) == (2, "4")
+    assert (dst.command("ZCARD", ckey), fixed_units(dst.command("GET", fkey))) == (2, "4")
     conn.execute(end)
     expected = (0, "4") if end == "COMMIT" else (0, "1")
     if target == "unconnected":
         assert decide(conn, "fixed", elsewhere, 5, 60000)[0] is True  # the session's next call
-    got = (dst.command("ZCARD", ckey), dst.command("HGET", fkey, "n"))
+    got = (dst.command("ZCARD", ckey), fixed_units(dst.command("GET", fkey)))
     assert got == expected, "on the new node: %r slots held and n = %r" % got
     assert holders(redis_cluster, fkey) == [dst]
     # and the session sees it so
@@ -753,12 +753,12 @@ def test_live_migration_under_load(sessions, policies, redis_cluster):
         mine = [r[4] for r in h.calls() if r[4][0] == identity]
         n = {k: sum(1 for _, kind, ok in mine if kind == k and ok) for k in kinds}
         assert all(ok for _, _, ok in mine)
-        assert dst.command("HGET", rl_key("fixed", identity, lim=BIG_LIM, window_ms=HUGE_WINDOW_MS), "n") \
+        assert fixed_units(dst.command("GET", rl_key("fixed", identity, lim=BIG_LIM, window_ms=HUGE_WINDOW_MS))) \
             == str(n["fixed"]), identity
         assert dst.command("ZCARD", rl_key("sliding", identity, lim=10000, window_ms=LONG_WINDOW_MS)) \
             == n["sliding"], identity
         for p in (p1, p2):
-            assert dst.command("HGET", rl_key("fixed", identity, p, BIG_LIM, HUGE_WINDOW_MS), "n") \
+            assert fixed_units(dst.command("GET", rl_key("fixed", identity, p, BIG_LIM, HUGE_WINDOW_MS))) \
                 == str(n["all"]), identity
     assert src.command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
 
@@ -814,9 +814,9 @@ def test_call_lost_after_sending_is_not_sent_again(pg, sessions, redis_cluster):
     value = out["value"]
     assert isinstance(value, psycopg.Error) and value.sqlstate.startswith("08"), value
     assert out["elapsed"] < 2.5, out["elapsed"]  # not after the pause (4 s): no second try
-    assert master.command("HGET", key, "n") == "1"
+    assert fixed_units(master.command("GET", key)) == "1"
     assert conn.execute(q, (identity, HUGE_WINDOW_MS)).fetchone()[0] is True
-    assert master.command("HGET", key, "n") == "2"
+    assert fixed_units(master.command("GET", key)) == "2"
 
 
 # ------------------------------------------------------------ failovers
@@ -859,9 +859,8 @@ def test_manual_failover_under_load(sessions, fresh_redis_cluster):
     for identity in idents:
         allowed = sum(1 for r in h.calls() if not isinstance(r[4], BaseException) and r[4][0] == identity
                       and r[4][1])
-        n = int(cluster.command_for_key(rl_key("fixed", identity, lim=BIG_LIM, window_ms=HUGE_WINDOW_MS),
-                                        "HGET", rl_key("fixed", identity, lim=BIG_LIM, window_ms=HUGE_WINDOW_MS),
-                                        "n"))
+        n = int(fixed_units(cluster.command_for_key(rl_key("fixed", identity, lim=BIG_LIM, window_ms=HUGE_WINDOW_MS),
+                                                    "GET", rl_key("fixed", identity, lim=BIG_LIM, window_ms=HUGE_WINDOW_MS))))
         assert allowed <= n <= allowed + failed.get(identity, 0), (identity, allowed, n)
     assert cluster.master_of_identity(idents[0]) is replica
     assert any(r[2] > t0 and r[3] < t_done + 1.5 for r in h.calls())

@@ -49,7 +49,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import new_ident, rl_key, set_gucs
+from conftest import fixed_units, new_ident, rl_key, set_gucs
 from redis_topology import (connections, made_policies, timed, ClusterNode, identity_slot, info_dict, key_slot,  # noqa: F401
                             redis_cluster, resp_pipeline, wait_for)
 
@@ -360,14 +360,14 @@ def test_hung_first_sentinel_then_a_working_one(session, fakes, redis_factory):
     identity = new_ident("hungsent")
     value, elapsed = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True and elapsed < 2.5, (value, elapsed, hung.connections, good.count("SENTINEL"))
-    assert master.command("HGET", fixed_key(identity), "n") == "1"
+    assert fixed_units(master.command("GET", fixed_key(identity))) == "1"
     asked_good = good.count("SENTINEL")
     assert asked_good >= 1
     for i in range(2):
         past_interval(SENTINEL_RECHECK_MS)  # the sentinels are asked again
         value, elapsed = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
         assert value is True and elapsed < 0.5, (i, value, elapsed)
-        assert master.command("HGET", fixed_key(identity), "n") == str(2 + i)
+        assert fixed_units(master.command("GET", fixed_key(identity))) == str(2 + i)
     assert good.count("SENTINEL") >= asked_good + 2, "the re-checks did not ask the working sentinel"
     assert hung.connections <= 1, "the hung sentinel was asked again: %d connections" % hung.connections
 
@@ -390,7 +390,7 @@ def test_the_sentinel_that_answered_is_asked_first(session, fakes, redis_factory
         assert conn.execute(FIXED, (identity, HUGE_WINDOW_MS)).fetchone()[0] is True
     assert good.count("SENTINEL") == 3
     assert unknowing.count("SENTINEL") == 1, "the sentinel that failed was asked first again"
-    assert master.command("HGET", fixed_key(identity), "n") == "3"
+    assert fixed_units(master.command("GET", fixed_key(identity))) == "3"
 
 
 # ------------------------------------------------- 2. every cluster seed hung
@@ -449,7 +449,7 @@ def test_demoted_master_met_at_connect_is_skipped_in_the_same_call(session, fake
         identity = new_ident("demoted")
         assert conn.execute(FIXED, (identity, HUGE_WINDOW_MS)).fetchone()[0] is True
         t_first = time.monotonic()
-        assert a.command("HGET", fixed_key(identity), "n") == "1"
+        assert fixed_units(a.command("GET", fixed_key(identity))) == "1"
         a.command("CONFIG", "SET", "masterauth", PASSWORD)
         a.command("REPLICAOF", "127.0.0.1", str(b.port))
         target.port = b.port
@@ -466,7 +466,7 @@ def test_demoted_master_met_at_connect_is_skipped_in_the_same_call(session, fake
         assert value is True, "a call that met a demoted master at connect was not retried on the " \
             "new master: %r (%.2f s)" % (value, elapsed)
         assert sentinel.count("SENTINEL") == asked + 1
-        assert b.command("HGET", fixed_key(identity), "n") == "1"
+        assert fixed_units(b.command("GET", fixed_key(identity))) == "1"
         assert elapsed < 3.0, elapsed
         return
     pytest.fail("could not make the call reach A within the re-check interval in 3 attempts")
@@ -487,11 +487,11 @@ def test_moved_with_empty_host_goes_to_the_asking_nodes_host(session, fakes, sol
     identity = new_ident("emptyhost")
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True, value
-    assert solo_node.command("HGET", fixed_key(identity), "n") == "1"
+    assert fixed_units(solo_node.command("GET", fixed_key(identity))) == "1"
     assert seed.count("EVALSHA") + seed.count("EVAL") >= 1, "the fake seed was never asked"
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True, value
-    assert solo_node.command("HGET", fixed_key(identity), "n") == "2"
+    assert fixed_units(solo_node.command("GET", fixed_key(identity))) == "2"
 
 
 def test_one_node_cluster_as_its_own_seed(session, solo_node):
@@ -501,7 +501,7 @@ def test_one_node_cluster_as_its_own_seed(session, solo_node):
     identity = new_ident("solo")
     assert [conn.execute(FIXED, (identity, HUGE_WINDOW_MS)).fetchone()[0] for _ in range(6)] == \
         [True] * 5 + [False]
-    assert solo_node.command("HGET", fixed_key(identity), "n") == "5"
+    assert fixed_units(solo_node.command("GET", fixed_key(identity))) == "5"
 
 
 # ---------------------------------------------- 5. no Unix sockets from replies
@@ -582,7 +582,7 @@ def test_slot_map_with_2000_nodes_is_refused(session, fakes, solo_node):
     past_interval(SLOT_MAP_REFRESH_MS)
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True, "after a refused 2000-node map, a truthful map was not taken: %r" % (value,)
-    assert solo_node.command("HGET", fixed_key(identity), "n") == "1"
+    assert fixed_units(solo_node.command("GET", fixed_key(identity))) == "1"
 
 
 def test_slot_map_with_2000_nodes_then_other_seeds(session, fakes, solo_node):
@@ -595,7 +595,7 @@ def test_slot_map_with_2000_nodes_then_other_seeds(session, fakes, solo_node):
     assert is_class_08(timed(conn, FIXED, (identity, HUGE_WINDOW_MS))[0])
     set_gucs(conn, nodes=solo_node.addr)
     assert conn.execute(FIXED, (identity, HUGE_WINDOW_MS)).fetchone()[0] is True
-    assert solo_node.command("HGET", fixed_key(identity), "n") == "1"
+    assert fixed_units(solo_node.command("GET", fixed_key(identity))) == "1"
 
 
 # ------------------------- 7. split statement guard, refund_on_abort = off
@@ -739,7 +739,7 @@ def test_standalone_keeps_refunds_when_unused_settings_change(session, redis_fac
     conn.execute("ROLLBACK")
     after = info_dict(r.command("INFO", "stats"))["total_connections_received"]
     assert conn.execute(q, (identity, 0)).fetchone() == (True, 5), "the refund was lost"
-    assert r.command("HGET", rl_key("fixed", identity, lim=5, window_ms=60000), "n") in (None, "0")
+    assert fixed_units(r.command("GET", rl_key("fixed", identity, lim=5, window_ms=60000))) in (None, "0")
     assert notices == [], notices
     # one connection: our own INFO (the session kept its connection)
     assert int(after) - int(before) == 1, (before, after)
@@ -955,8 +955,8 @@ def test_refund_that_gets_tryagain_arrives_after_the_migration(session, policies
         got_tryagain = src.error_count("TRYAGAIN") + dst.error_count("TRYAGAIN") - tryagain
         assert got_tryagain >= 1, "the refund did not meet TRYAGAIN (the scenario did not happen)"
         # not given back yet (dst imports the slot: ASKING to read there)
-        assert resp_pipeline(dst.port, [["ASKING"], ["HGET", k1, "n"]])[1] == "2"
-        assert src.command("HGET", k2, "n") == "3"
+        assert fixed_units(resp_pipeline(dst.port, [["ASKING"], ["GET", k1]])[1]) == "2"
+        assert fixed_units(src.command("GET", k2)) == "3"
     finally:
         # finish the migration
         for key in src.command("CLUSTER", "GETKEYSINSLOT", slot, 100) or []:
@@ -980,7 +980,7 @@ def test_refund_that_gets_tryagain_arrives_after_the_migration(session, policies
              if " flags=N " in line and " qbuf=0 " not in line and "cmd=client|list" not in line]
     assert value == (True, 4), "the next call: %r after %.2f s; clients of the old master with a " \
         "half-read query: %r" % (value, elapsed, stuck)
-    got = (dst.command("HGET", k1, "n"), dst.command("HGET", k2, "n"))
+    got = (fixed_units(dst.command("GET", k1)), fixed_units(dst.command("GET", k2)))
     assert got in {(None, None), ("0", "0")}, "the refund did not arrive: n = %r on the new master; notices %r" % (got, notices)
     assert [conn.execute(check, (p, identity, 0)).fetchone() for p in (p1, p2)] == [(True, lim)] * 2
     # in step: a sequence of decisions with known answers

@@ -46,7 +46,7 @@ import psycopg.rows
 import pytest
 from psycopg import sql
 
-from conftest import QueryThread, TcpProxy, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from conftest import fixed_units, QueryThread, TcpProxy, new_ident, pg_connect, rl_key, set_gucs, use_redis
 from test_stats import stats_row
 from redis_topology import made_policies, wait_for
 
@@ -237,7 +237,7 @@ def test_denied_identity_is_denied_without_redis(sessions):
         left = 60000 - 100 * k
         assert decide(a, "fixed", ident, 3, 60000) == (False, 3, 0, left, left), k
     assert scripts.new() == 0
-    assert r.command("HGET", rl_key("fixed", ident, lim=3, window_ms=60000), "n") == "3"
+    assert fixed_units(r.command("GET", rl_key("fixed", ident, lim=3, window_ms=60000))) == "3"
 
     # the boolean form shares the entry
     assert a.execute("SELECT rl_fixed_allow(%s, 3, 60000)", (ident,)).fetchone()[0] is False
@@ -448,7 +448,7 @@ def test_cost_semantics(sessions):
     assert call(1, 8000) == ((False, 5, 0, 52000, 52000), 1)
     assert call(1, 8500) == ((False, 5, 0, 51500, 51500), 0)
     assert call(0, 9000) == ((True, 5, 0, 51000, 0), 1)
-    assert sessions.redis.command("HGET", rl_key("fixed", ident, lim=5, window_ms=60000), "n") == "5"
+    assert fixed_units(sessions.redis.command("GET", rl_key("fixed", ident, lim=5, window_ms=60000))) == "5"
 
 
 def test_cost_above_the_limit_is_never_told_to_retry(sessions):
@@ -660,7 +660,7 @@ def test_refund_landing_after_a_lookup_is_not_lost(sessions, redis_factory, pg):
         assert not v.is_alive() and v.error is None, v.error
     assert scripts.new() == 2
     raced = tuple(racer.rows[0])
-    taken = r.command("HGET", rl_key("fixed", ident, lim=1, window_ms=60000), "n")
+    taken = fixed_units(r.command("GET", rl_key("fixed", ident, lim=1, window_ms=60000)))
     assert int(taken or 0) == (1 if raced[0] else 0), (raced, taken)
     row = decide(b, "fixed", ident, 1, 60000)
     assert (scripts.new(), row[0]) == (1, not raced[0]), (raced, row)
@@ -693,7 +693,7 @@ def test_denial_decided_before_a_refund_is_not_remembered(sessions, pg):
         wait_for(lambda: script_calls(r) > scripts.seen, 10.0, "S2's call to run in Redis")
         assert scripts.new() == 1
         s1.execute("ROLLBACK")
-        wait_for(lambda: r.command("HGET", key, "n") in (None, "0"), 0.5, "the refund in Redis")
+        wait_for(lambda: fixed_units(r.command("GET", key)) in (None, "0"), 0.5, "the refund in Redis")
         refunded = time.monotonic()
         scripts.new()  # the refund (a script too)
         racer.join(timeout=30)
@@ -703,7 +703,7 @@ def test_denial_decided_before_a_refund_is_not_remembered(sessions, pg):
         assert scripts.new() == 0
         row = decide(s2, "fixed", ident, 1, 60000)
         assert (scripts.new(), row) == (1, (True, 1, 0, 60000, 0))
-        assert r.command("HGET", key, "n") == "1"
+        assert fixed_units(r.command("GET", key)) == "1"
     finally:
         proxy.close()
 
@@ -1032,11 +1032,11 @@ def test_concurrent_sessions_allow_exactly_the_limit(sessions):
     scripts = Scripts(r)
     assert hammer(60) == 40
     assert scripts.new() == 40 + 8
-    assert r.command("HGET", key, "n") == "40"
+    assert fixed_units(r.command("GET", key)) == "40"
 
     refunder.execute("SELECT rl_fixed_refund(%s, 40, 60000, 5)", (ident,))
-    assert r.command("HGET", key, "n") == "35"
+    assert fixed_units(r.command("GET", key)) == "35"
     scripts.new()
     assert hammer(20) == 5
     assert scripts.new() == 5 + 8
-    assert r.command("HGET", key, "n") == "40"
+    assert fixed_units(r.command("GET", key)) == "40"

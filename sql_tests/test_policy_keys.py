@@ -34,7 +34,7 @@ import psycopg
 from psycopg import sql
 import pytest
 
-from conftest import new_ident, pg_connect, rl_key, set_gucs
+from conftest import KEY_KINDS, fixed_units, new_ident, pg_connect, rl_key, set_gucs
 
 # a test clock on a whole minute, not on a multiple of 7 s
 BASE_CLOCK_MS = 1000000020000
@@ -358,6 +358,29 @@ def test_reset_deletes_policy_keys_of_every_format(env, shared_redis):
     env.here.execute("SELECT rl_reset(%s)", (other,))
 
 
+@pytest.mark.parametrize("algorithm", ["fixed", "sliding_counter"])
+def test_earlier_layout_is_not_read_and_reset_deletes_it(env, shared_redis, algorithm):
+    """Release 1.5 kept a fixed window's and a sliding counter's state in a
+    hash under the kind fixed / sliding_counter; this one packs it in a
+    string under fixed.2 / sliding_counter.2, so that a session still
+    running 1.5 never meets a key it cannot read. A used-up 1.5 hash of the
+    same identity and limit is not read (the first call starts a new count:
+    remaining lim - 1) and stays a hash, and rl_reset deletes both."""
+    identity = new_ident("layout_" + algorithm)
+    old = "rl:%s:{%s}:5/60000" % (algorithm, identity)
+    fields = ["w", "0", "n", "5", "c", "5", "ts", "0", "e", "1", "l", "5/60000/0"]
+    shared_redis.command("HSET", old, *fields)
+    shared_redis.command("PEXPIRE", old, "60000")
+    assert env.here.execute("SELECT remaining FROM rl_%s(%%s, 5, 60000)" % algorithm,
+                            (identity,)).fetchone() == (4,)
+    new = rl_key(algorithm, identity, lim=5, window_ms=60000)
+    assert new == "rl:%s.2:{%s}:5/60000" % (algorithm, identity)
+    assert (shared_redis.command("TYPE", old), shared_redis.command("TYPE", new)) == ("hash", "string")
+    assert keys_of(shared_redis, identity) == {old, new}
+    env.here.execute("SELECT rl_reset(%s)", (identity,))
+    assert keys_of(shared_redis, identity) == set()
+
+
 WINDOW_ALGORITHMS = ["fixed", "sliding", "sliding_counter"]
 
 
@@ -380,7 +403,7 @@ def test_changed_lim_keeps_the_count(env, shared_redis, algorithm):
     env.here.execute("UPDATE rl_policy SET lim = 9 WHERE name = %s", (policy,))
     assert [me.allow(policy, identity) for _ in range(3)] == [True, False, False]
     assert keys_of(shared_redis, identity) == {
-        "rl:%s:{%s}:%s:/60000" % (algorithm, identity, policy)}
+        "rl:%s:{%s}:%s:/60000" % (KEY_KINDS.get(algorithm, algorithm), identity, policy)}
 
 
 def shared_count_model(algorithm, window_ms, calls):
@@ -444,14 +467,14 @@ def test_refund_after_a_lim_change_gives_back_nothing(env, shared_redis):
     me.at(BASE_CLOCK_MS, refund_on_abort="all")
     other.at(BASE_CLOCK_MS)
     identity = new_ident("polkeys_refund")
-    key = "rl:fixed:{%s}:%s:/60000" % (identity, policy)
+    key = "rl:fixed.2:{%s}:%s:/60000" % (identity, policy)
 
     me.conn.execute("BEGIN")
     assert [me.allow(policy, identity) for _ in range(3)] == [True] * 3
     env.here.execute("UPDATE rl_policy SET lim = 8 WHERE name = %s", (policy,))
     assert other.allow(policy, identity) is True
     me.conn.execute("ROLLBACK")
-    assert shared_redis.command("HGET", key, "n") == "4"
+    assert fixed_units(shared_redis.command("GET", key)) == "4"
     assert other.conn.execute("SELECT (rl_check(%s, %s, 0)).remaining",
                               (policy, identity)).fetchone() == (4,)
 
@@ -467,7 +490,7 @@ def test_burst_equal_to_lim_is_no_burst(env, other_db, shared_redis, algorithm):
     q = "SELECT (rl_%s(%%s, 5, 60000, 1, %%s)).remaining" % algorithm
     assert pg.execute(q, (identity, 5)).fetchone() == (4,)
     assert pg.execute(q, (identity, None)).fetchone() == (3,)
-    assert keys_of(shared_redis, identity) == {"rl:%s:{%s}:5/60000" % (algorithm, identity)}
+    assert keys_of(shared_redis, identity) == {"rl:%s:{%s}:5/60000" % (KEY_KINDS.get(algorithm, algorithm), identity)}
 
     policy = env.policy(algorithm, (5, 60000, None), (5, 60000, 5))
     here, there = env.caller(), env.caller(other_db)
@@ -477,7 +500,7 @@ def test_burst_equal_to_lim_is_no_burst(env, other_db, shared_redis, algorithm):
     assert [here.allow(policy, identity) for _ in range(3)] == [True] * 3
     assert [there.allow(policy, identity) for _ in range(3)] == [True, True, False]
     assert keys_of(shared_redis, identity) == {
-        "rl:%s:{%s}:%s:5/60000" % (algorithm, identity, policy)}
+        "rl:%s:{%s}:%s:5/60000" % (KEY_KINDS.get(algorithm, algorithm), identity, policy)}
 
 
 def test_refund_after_burst_set_to_lim_gives_back(env, shared_redis):

@@ -171,7 +171,7 @@ def test_password_in_config_is_hidden_from_ordinary_roles(pg, redis_factory, app
             assert su.execute(
                 "SELECT (rl_fixed(%s, 5, %s)).allowed", (identity, LONG_WINDOW_MS)
             ).fetchone()[0] is True
-            assert r.cli("KEYS", "rl:fixed:*%s*" % identity.split(":")[-1])
+            assert r.cli("KEYS", "rl:fixed.2:*%s*" % identity.split(":")[-1])
         finally:
             su.close()
 
@@ -184,7 +184,7 @@ def test_password_in_config_is_hidden_from_ordinary_roles(pg, redis_factory, app
             # decisions through a policy work, with the configured password
             identity = new_ident("secret")
             assert conn.execute("SELECT rl_allow(%s, %s)", (policy, identity)).fetchone()[0] is True
-            assert r.cli("KEYS", "rl:fixed:*%s*" % identity.split(":")[-1])
+            assert r.cli("KEYS", "rl:fixed.2:*%s*" % identity.split(":")[-1])
             # and once the extension ran, still nothing shows it
             assert_password_hidden(conn, [password])
             # the library was preloaded: no warning about the password
@@ -225,7 +225,7 @@ def test_password_file(pg, redis_factory, app_role, policy):
                 assert_password_hidden(conn, [password, path])
                 identity = new_ident("pwfile")
                 assert conn.execute("SELECT rl_allow(%s, %s)", (policy, identity)).fetchone()[0] is True
-                assert r.cli("KEYS", "rl:fixed:*%s*" % identity.split(":")[-1])
+                assert r.cli("KEYS", "rl:fixed.2:*%s*" % identity.split(":")[-1])
             finally:
                 conn.close()
 

@@ -19,7 +19,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import Hammer, free_port, new_ident, rl_key, set_gucs
+from conftest import fixed_units, Hammer, free_port, new_ident, rl_key, set_gucs
 from test_fault_matrix import Blackhole
 from redis_topology import (connections, backend_identity, timed, MASTER_NAME, RedisSentinelFixture, fresh_redis_sentinel,  # noqa: F401
                             redis_sentinel, resp_pipeline, wait_for)
@@ -177,9 +177,9 @@ def test_decisions_go_to_the_master(sessions, redis_sentinel):
     row = conn.execute("SELECT (r).allowed, (r).remaining FROM rl_sliding(%s, 2, 600000) AS r",
                        (identity,)).fetchone()
     assert row == (True, 1)
-    assert master.command("HGET", fixed_key(identity, 3), "n") == "3"
+    assert fixed_units(master.command("GET", fixed_key(identity, 3))) == "3"
     assert master.command("WAIT", 1, 2000) == 1
-    assert replica.command("HGET", fixed_key(identity, 3), "n") == "3"
+    assert fixed_units(replica.command("GET", fixed_key(identity, 3))) == "3"
     server, rtt = conn.execute("SELECT server, rtt_ms FROM rl_redis_ping()").fetchone()
     assert server == "127.0.0.1:%d" % master.port
     assert rtt >= 0
@@ -193,7 +193,7 @@ def test_sentinels_are_asked_in_order(sessions, redis_sentinel):
     identity = new_ident("order")
     value, elapsed = timed(conn, FIXED, (identity, 2, HUGE_WINDOW_MS))
     assert value is True and elapsed < 2.0, (value, elapsed)
-    assert topo.current_master().command("HGET", fixed_key(identity, 2), "n") == "1"
+    assert fixed_units(topo.current_master().command("GET", fixed_key(identity, 2))) == "1"
     # only the last sentinel is alive
     conn2 = sessions(topo, "%s,%s" % (dead, topo.sentinels[2].addr))
     assert conn2.execute(FIXED, (identity, 2, HUGE_WINDOW_MS)).fetchone()[0] is True
@@ -247,7 +247,7 @@ def test_dead_sentinels_apply_on_error(sessions, blackholes, redis_sentinel, kin
     # pointed at the real sentinels, the same session decides again
     set_gucs(conn, nodes=redis_sentinel.sentinels_arg())
     assert conn.execute(FIXED, (identity, 5, HUGE_WINDOW_MS)).fetchone()[0] is True
-    assert redis_sentinel.current_master().command("HGET", fixed_key(identity, 5), "n") == "1"
+    assert fixed_units(redis_sentinel.current_master().command("GET", fixed_key(identity, 5))) == "1"
 
 
 @pytest.mark.parametrize("on_error", ["error", "deny"])
@@ -327,7 +327,7 @@ def test_sentinel_and_node_passwords(sessions):
         identity = new_ident("pw")
         conn = sessions(topo, on_error="error", password="data-pw-3141", sentinel_password="sentinel-pw-2718")
         assert conn.execute(FIXED, (identity, 5, HUGE_WINDOW_MS)).fetchone()[0] is True
-        assert master.command("HGET", fixed_key(identity, 5), "n") == "1"
+        assert fixed_units(master.command("GET", fixed_key(identity, 5))) == "1"
         for gucs in ({"sentinel_password": ""}, {"sentinel_password": "wrong-sentinel-pw"},
                      {"password": "wrong-data-pw"}, {"password": ""}):
             other = sessions(topo, on_error="error", password="data-pw-3141",
@@ -337,7 +337,7 @@ def test_sentinel_and_node_passwords(sessions):
             assert isinstance(value, psycopg.Error) and value.sqlstate.startswith("08"), (gucs, value)
             for secret in ("data-pw-3141", "sentinel-pw-2718", "wrong-sentinel-pw", "wrong-data-pw"):
                 assert secret not in str(value)
-        assert master.command("HGET", fixed_key(identity, 5), "n") == "1"
+        assert fixed_units(master.command("GET", fixed_key(identity, 5))) == "1"
     finally:
         topo.cleanup()
 
@@ -379,9 +379,9 @@ def test_call_lost_after_sending_is_not_sent_again(pg, sessions, redis_sentinel)
     value = out["value"]
     assert isinstance(value, psycopg.Error) and value.sqlstate.startswith("08"), value
     assert out["elapsed"] < 2.5, out["elapsed"]
-    assert master.command("HGET", fixed_key(identity, 5), "n") == "1"
+    assert fixed_units(master.command("GET", fixed_key(identity, 5))) == "1"
     assert conn.execute(FIXED, (identity, 5, HUGE_WINDOW_MS)).fetchone()[0] is True
-    assert master.command("HGET", fixed_key(identity, 5), "n") == "2"
+    assert fixed_units(master.command("GET", fixed_key(identity, 5))) == "2"
 
 
 # ------------------------------------------------------------ failovers
@@ -439,11 +439,11 @@ def test_failover_under_load(sessions, fresh_redis_sentinel):
     # phase 0: counts kept across the failover
     for s in range(len(conns)):
         allowed = sum(1 for r in ok if r[0] == s and r[4][0] == 0)
-        assert new.command("HGET", fixed_key("%s:%d" % (base, s), BIG_LIM), "n") == str(allowed)
+        assert fixed_units(new.command("GET", fixed_key("%s:%d" % (base, s), BIG_LIM))) == str(allowed)
     # phase 1: where did each call land?
     later = [r for r in ok if r[4][0] == 1 and r[2] > t_failover]
-    on_new = resp_pipeline(new.port, [["HGET", fixed_key(r[4][1], BIG_LIM), "n"] for r in later], timeout=30)
-    landed = {r[4][1]: v for r, v in zip(later, on_new)}
+    on_new = resp_pipeline(new.port, [["GET", fixed_key(r[4][1], BIG_LIM)] for r in later], timeout=30)
+    landed = {r[4][1]: fixed_units(v) for r, v in zip(later, on_new)}
     lost = [r for r in later if landed[r[4][1]] != "1"]  # written to the old master after the promotion
     print("\n[failover: sentinels switched %.2f s after SENTINEL FAILOVER; %d calls went to the old master "
           "after the promotion, the last one started %.2f s after the switch; the old master was demoted "
@@ -498,5 +498,5 @@ def test_master_killed_on_error_deny(pg, sessions, fresh_redis_sentinel):
           % (t_promoted - t_kill, last_denied - t_kill), end="")
     assert backend_identity(conn) == before
     assert conn.execute("SELECT 1").fetchone()[0] == 1
-    assert int(new.command("HGET", fixed_key(identity, BIG_LIM), "n")) >= 1
+    assert int(fixed_units(new.command("GET", fixed_key(identity, BIG_LIM)))) >= 1
     assert conn.execute("SELECT server FROM rl_redis_ping()").fetchone()[0] == "127.0.0.1:%d" % new.port

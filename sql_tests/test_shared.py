@@ -65,7 +65,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import (PgServer, QueryThread, new_ident, own_connection_open, pg_connect, redis_clients,
+from conftest import (fixed_units, PgServer, QueryThread, new_ident, own_connection_open, pg_connect, redis_clients,
                       rl_key, set_gucs, wait_for)
 from redis_topology import made_policies
 from test_batch import wait_until_active
@@ -758,14 +758,14 @@ def test_other_redis_uses_own_connection(shared_server, sessions, redis_factory)
     set_gucs(conn, port=other.port)
     assert explicit(conn, "fixed", a, 7, 60000)[:3] == (True, 7, 6)
     key = rl_key("fixed", a, lim=7, window_ms=60000)
-    assert other.command("HGET", key, "n") == "1"
+    assert fixed_units(other.command("GET", key)) == "1"
     assert shared_server.redis.command("EXISTS", key) == 0
     assert redis_clients(other, [conn.info.backend_pid]) == {conn.info.backend_pid: 1}
 
     conn.execute("RESET rl_redis.port")
     assert explicit(conn, "fixed", b, 7, 60000)[:3] == (True, 7, 6)
     key = rl_key("fixed", b, lim=7, window_ms=60000)
-    assert shared_server.redis.command("HGET", key, "n") == "1"
+    assert fixed_units(shared_server.redis.command("GET", key)) == "1"
     assert other.command("EXISTS", key) == 0
     assert conn.info.backend_pid not in shared_server.clients()
 
@@ -787,7 +787,7 @@ def test_batches_and_large_calls_use_own_connection(shared_server, sessions):
     assert [explicit(other, "fixed", big, 2, 60000)[:3] for _ in range(3)] == [
         (True, 2, 1), (True, 2, 0), (False, 2, 0)]
     assert shared_server.clients().get(other.info.backend_pid) == 1
-    assert shared_server.redis.command("HGET", rl_key("fixed", big, lim=2, window_ms=60000), "n") == "2"
+    assert fixed_units(shared_server.redis.command("GET", rl_key("fixed", big, lim=2, window_ms=60000))) == "2"
     lines = [x for x in shared_server.log().splitlines()
              if "[%d]" % other.info.backend_pid in x and "larger than 8192 bytes" in x]
     assert len(lines) == 1, lines
@@ -1049,7 +1049,7 @@ def test_worker_idle_timeout(clusters):
         ident = new_ident("idle")
         call_then_look(4)
         wait_for(lambda: server.clients() == {}, 20.0, "the worker to close its idle connection")
-        n = int(redis.command("HGET", rl_key("fixed", ident, lim=5, window_ms=60000), "n"))
+        n = int(fixed_units(redis.command("GET", rl_key("fixed", ident, lim=5, window_ms=60000))))
         call_then_look(5 - n - 1)
     finally:
         conn.close()
@@ -1072,7 +1072,7 @@ def test_reload_moves_the_worker(clusters, redis_factory):
         admin.execute("SELECT pg_reload_conf()")
         time.sleep(1.5)
         assert explicit(conn, "fixed", ident, 5, 60000)[:3] == (True, 5, 4)
-        assert (redis.command("HGET", key, "n"), second.command("HGET", key, "n")) == ("1", "1")
+        assert (fixed_units(redis.command("GET", key)), fixed_units(second.command("GET", key))) == ("1", "1")
         fresh = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
         try:
             assert explicit(fresh, "fixed", ident, 5, 60000)[:3] == (True, 5, 3)
@@ -1209,8 +1209,8 @@ def test_worker_killed_while_calls_wait(clusters):
         new = wait_for(lambda: [p for p in server.worker_pids() if p != old], 5.0, "a new worker")
         assert len(new) == 1 and old not in server.worker_pids(), new
         # a's call may have run (it was sent): never sent again
-        assert redis.command("HGET", rl_key("fixed", ident_a, lim=11, window_ms=60000), "n") in ("1", None)
-        assert redis.command("HGET", rl_key("fixed", ident_b, lim=22, window_ms=60000), "n") == "1"
+        assert fixed_units(redis.command("GET", rl_key("fixed", ident_a, lim=11, window_ms=60000))) in ("1", None)
+        assert fixed_units(redis.command("GET", rl_key("fixed", ident_b, lim=22, window_ms=60000))) == "1"
         # the new worker takes calls again: a has no connection of its own
         assert explicit(a, "fixed", ident_b, 22, 60000)[:3] == (True, 22, 20)
         clients = server.clients()
@@ -1298,7 +1298,7 @@ def test_worker_killed_under_load(clusters):
     assert errors == [], errors
     allowed = sum(s["allowed"] for s in stats)
     fallback = sum(s["fallback"] for s in stats)
-    counted = int(redis.command("HGET", rl_key("fixed", ident, "load", lim, CENTURY_MS), "n"))
+    counted = int(fixed_units(redis.command("GET", rl_key("fixed", ident, "load", lim, CENTURY_MS))))
     assert counted == lim
     assert allowed <= lim, stats
     assert allowed + fallback >= lim, stats

@@ -112,7 +112,7 @@ rl_##alg##_many(PG_FUNCTION_ARGS) \
 }
 
 
-#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log, bucket) \
+#define RL_ALGORITHM(name, lua_file, key_kind, refund_subtracts, keeps_records, log, bucket) \
 	RL_ALGORITHM_FUNCTIONS(name, RL_ALG_##name)
 #include "algorithms.h"
 #undef RL_ALGORITHM

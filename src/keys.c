@@ -22,7 +22,9 @@ static StringInfoData keybuf;
  *   <key_prefix>concurrency:{<identity>}:<policy>
  *
  * the first for explicit arguments, the others for a policy. kind is the
- * algorithm, or "concurrency" (window_ms is then the lease; no burst).
+ * algorithm's key kind (algorithms.h: its name, with the layout of its
+ * state when that changed, as in "fixed.2"), or "concurrency" (window_ms is
+ * then the lease; no burst).
  *
  * A key carries the numbers its state means something under, so that no
  * two limits whose states mean different things count on one key: a
@@ -46,7 +48,9 @@ static StringInfoData keybuf;
  * '/' ends in numbers, after its last ':', and one without is a
  * concurrency policy's name. Keys of earlier releases, which rl_reset still
  * deletes: <key_prefix><kind>:{<identity>}:<policy> (rate policies, 1.1 to
- * 1.5 as first released) and <key_prefix><kind>:{<identity>} (1.2). The
+ * 1.5 as first released), <key_prefix><kind>:{<identity>} (1.2), and any
+ * of these with the algorithm's name where its kind is now another (1.5 and
+ * before: the state's earlier layout). The
  * denial counts are keyed by policy instead (rl_append_denials_key).
  */
 
@@ -96,7 +100,7 @@ rl_build_key(text *identity, const char *policy, const RlLimit *limit)
 		keybuf.maxlen = 1024;
 	}
 	resetStringInfo(&keybuf);
-	rl_append_key_head(&keybuf, limit->algorithm ? limit->algorithm->name :
+	rl_append_key_head(&keybuf, limit->algorithm ? limit->algorithm->key_kind :
 					   "concurrency", identity);
 	appendStringInfoChar(&keybuf, ':');
 	if (policy != NULL)
@@ -153,15 +157,18 @@ rl_parse_key(const char *key, size_t len, RlKeyParts *parts)
 		return false;
 	p = key + prefix_len;
 	parts->kind = NULL;
-	for (i = -1; i < RL_NUM_ALGORITHMS && parts->kind == NULL; i++)
+	for (i = -1; i < 2 * RL_NUM_ALGORITHMS && parts->kind == NULL; i++)
 	{
-		const char *kind = i < 0 ? "concurrency" : rl_algorithms[i].name;
+		/* the algorithms' kinds, then their names (earlier layouts) */
+		const RlAlgorithm *alg = i < 0 ? NULL : &rl_algorithms[i % RL_NUM_ALGORITHMS];
+		const char *kind = alg == NULL ? "concurrency" :
+			i < RL_NUM_ALGORITHMS ? alg->key_kind : alg->name;
 		size_t		kindlen = strlen(kind);
 
 		if ((size_t) (end - p) > kindlen + 1 && memcmp(p, kind, kindlen) == 0 &&
 			p[kindlen] == ':' && p[kindlen + 1] == '{')
 		{
-			parts->kind = kind;
+			parts->kind = alg == NULL ? kind : alg->name;
 			p += kindlen + 1;
 		}
 	}

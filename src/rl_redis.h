@@ -543,7 +543,8 @@ typedef struct RlScript
 /* One line of algorithms.h. */
 typedef struct RlAlgorithm
 {
-	const char *name;			/* in keys, in rl_policy.algorithm and in Lua */
+	const char *name;			/* in rl_policy.algorithm and in Lua */
+	const char *key_kind;		/* in keys (see algorithms.h) */
 	RlScript	script;			/* its one-algorithm script */
 	bool		refund_subtracts;	/* a refund must not be sent twice */
 	bool		keeps_records;	/* the forget call cleans its keys */
@@ -554,7 +555,7 @@ typedef struct RlAlgorithm
 /* RL_ALG_<name>: an algorithm's index in rl_algorithms */
 enum
 {
-#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log, bucket) \
+#define RL_ALGORITHM(name, lua_file, key_kind, refund_subtracts, keeps_records, log, bucket) \
 	RL_ALG_##name,
 #include "algorithms.h"
 #undef RL_ALGORITHM

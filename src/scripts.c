@@ -19,8 +19,8 @@
 
 /* The algorithms of algorithms.h, in its order (RL_ALG_<name>). */
 const RlAlgorithm rl_algorithms[RL_NUM_ALGORITHMS] = {
-#define RL_ALGORITHM(name, lua_file, refund_subtracts, keeps_records, log, bucket) \
-	{#name, {RL_LUA_ALG_##name, RL_LUA_ALG_##name##_SHA, RL_ALG_##name}, \
+#define RL_ALGORITHM(name, lua_file, key_kind, refund_subtracts, keeps_records, log, bucket) \
+	{#name, key_kind, {RL_LUA_ALG_##name, RL_LUA_ALG_##name##_SHA, RL_ALG_##name}, \
 	 refund_subtracts, keeps_records, log, bucket},
 #include "algorithms.h"
 #undef RL_ALGORITHM
