@@ -210,7 +210,7 @@ say "<prefix><kind>:{<identity>}:<lim>/<window_ms> for a limit given as argument
 say "<prefix><kind>:{<identity>}:<policy>:/<window_ms> for a named sliding policy: two limits on one"
 say "identity are two counters. fixed.2 = a packed string of 22 bytes (units used, window number,"
 say "the key's epoch, the lim), sliding = sorted set (one member per unit, score = time in microseconds);"
-say "every key expires on its own (PEXPIRE) once its window has passed."
+say "every key expires on its own (SET ... PX, PEXPIRE) once its window has passed."
 printf '   %-56s %-6s %s\n' key type "ttl ms"
 rcli --scan --pattern 'rl:*' | sort | while read -r key; do
 	printf '   %-56s %-6s %s\n' "$key" "$(rcli TYPE "$key")" "$(rcli PTTL "$key")"

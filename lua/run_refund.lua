@@ -18,6 +18,9 @@ for i = 1, #KEYS do
   r.idx, r.units, r.prev = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6]),
     tonumber(ARGV[b + 7])
   r.epoch, r.first = tonumber(ARGV[b + 8]), tonumber(ARGV[b + 9])
-  ALG[ARGV[b + 1]].refund(KEYS[i], p, now, r)
+  -- a key Redis cannot read (another type: not rl_redis's) gives nothing
+  -- back and stops no other key's refund; a refund fails before its first
+  -- write or not at all (see common.lua)
+  pcall(ALG[ARGV[b + 1]].refund, KEYS[i], p, now, r)
 end
 return #KEYS

@@ -92,12 +92,19 @@ rcli() {
 # With two CPUs or more, Redis runs on the last one and redis-benchmark on
 # the others, so that neither takes the other's CPU (on a 2-CPU machine the
 # figures of unpinned runs varied by a third from run to run)
+# (the CPUs this script may use, as taskset lists them: "0-3", "2,5-7")
 pinning="none (one CPU)"
-if [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then
+cpus=()
+if command -v taskset >/dev/null; then
+	mapfile -t cpus < <(taskset -p -c $$ | sed 's/.*: //' | tr ',' '\n' |
+		awk -F- '{ for (c = $1; c <= ($2 == "" ? $1 : $2); c++) print c }')
+fi
+if [ ${#cpus[@]} -ge 2 ]; then
 	redis_pid=$(rcli INFO server | tr -d '\r' | sed -n 's/^process_id://p')
-	taskset -a -p -c $(($(nproc) - 1)) "$redis_pid" >/dev/null || die "taskset of Redis failed"
-	export RL_BENCH_CLIENT_CPUS=0-$(($(nproc) - 2))
-	pinning="Redis on CPU $(($(nproc) - 1)), redis-benchmark on CPU(s) $RL_BENCH_CLIENT_CPUS"
+	taskset -a -p -c "${cpus[-1]}" "$redis_pid" >/dev/null || die "taskset of Redis failed"
+	RL_BENCH_CLIENT_CPUS=$(IFS=,; echo "${cpus[*]:0:${#cpus[@]}-1}")
+	export RL_BENCH_CLIENT_CPUS
+	pinning="Redis on CPU ${cpus[-1]}, redis-benchmark on CPU(s) $RL_BENCH_CLIENT_CPUS"
 fi
 
 flush() {

@@ -708,6 +708,28 @@ def test_failed_key_charges_nothing(clock, shared_redis, on_error):
     assert shared_redis.command("GET", key(bad)) == "not a hash"
 
 
+@pytest.mark.parametrize("algorithm", ["fixed", "token_bucket"])
+def test_refund_skips_a_key_it_cannot_read(clock, shared_redis, algorithm):
+    """Review: a rolled-back batch of 21 identities, whose refund goes in
+    one script call; before the ROLLBACK one key is replaced by a list (not
+    rl_redis's: Redis cannot read it as a state). That key gives nothing
+    back and stays a list, and every other key is given back in full: the
+    refund script used to stop at the unreadable key (its error ended the
+    whole call), so the keys after it kept their charge."""
+    idents = ["%s:%d" % (new_ident("unread"), i) for i in range(21)]
+    bad = rl_key(algorithm, idents[10], lim=5, window_ms=60000)
+    set_gucs(clock, refund_on_abort="all")
+    with clock.transaction():
+        assert {r[3] for r in many(clock, algorithm, idents, 5, 60000, 2)} == {3}
+        shared_redis.command("DEL", bad)
+        shared_redis.command("RPUSH", bad, "not a state")
+        raise psycopg.Rollback()
+    left = [r[3] for r in many(clock, algorithm, idents[:10] + idents[11:], 5, 60000, 0)]
+    assert left == [5] * 20
+    assert shared_redis.command("LRANGE", bad, "0", "-1") == ["not a state"]
+    shared_redis.command("DEL", bad)
+
+
 # ---------------------------------------------------------------- hung Redis
 
 

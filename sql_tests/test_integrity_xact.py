@@ -1160,7 +1160,7 @@ def test_refund_after_policy_change_gives_nothing_of_others(env, algorithm):
 def test_big_refund_with_short_command_timeout_completes(env, redis_factory):
     """Second review: a rollback whose refund is large (40 000 token-bucket
     keys) and a session whose command_timeout is short (100 ms): the refund
-    goes in calls of at most 250 keys, so the session gets back to
+    goes in calls of at most 250 token-bucket keys, so the session gets back to
     deciding within a few calls instead of resending the whole refund
     forever, and every tenant is refunded. On a Redis of its own, which the
     other tests' calls do not slow down past the 100 ms."""

@@ -636,7 +636,7 @@ def test_rollback_refund_of_60000_keys_with_own_connection(shared_server, sessio
     """refund_on_abort = 'all', shared: BEGIN; rl_check_many of 60 000
     distinct identities (a batch: it opens the session's own connection);
     ROLLBACK. The refund goes on the session's own connection, in calls of
-    up to 250 keys: it used to be cut to what a slot of the worker's
+    up to 1 000 keys: it used to be cut to what a slot of the worker's
     queue holds (about 24 keys) although it was not handed to the worker,
     and with the 29 kB script in every call the 64 MB queue overflowed
     (1 147 WARNINGs, some 20 000 keys not given back). Afterwards, seen from a

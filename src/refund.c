@@ -78,11 +78,15 @@ static uint32 backend_tag = 0;
 #define RL_MAX_SCOPE_DEPTH 8
 
 /*
- * the most keys one refund or forget call carries: a token bucket's call of
- * this many holds Redis about 5 ms (18 ms for 1 000, which a loaded machine
- * stretched past a 100 ms command_timeout twice, and the refund was lost)
+ * The most work one refund or forget call carries, in keys of a fixed
+ * window, a sliding counter or a sliding log; a key that keeps refund
+ * records (a token bucket's or GCRA's) counts RL_REFUND_RECORDS_WEIGHT.
+ * Either way a call holds Redis about 5 ms: 1 000 token-bucket keys held it
+ * 18 ms, which a loaded machine stretched past a 100 ms command_timeout
+ * twice, and their refund was lost.
  */
-#define RL_REFUND_BATCH 250
+#define RL_REFUND_BATCH 1000
+#define RL_REFUND_RECORDS_WEIGHT 4
 
 /* the most bytes a refund call's encoding adds per key: nine numbers */
 #define RL_REFUND_KEY_BYTES (9 * 28 + 16)
@@ -431,6 +435,14 @@ typedef struct RlHashSlotted
 	RlPending  *p;
 } RlHashSlotted;
 
+/* What the key of p weighs in a refund or forget call (RL_REFUND_BATCH). */
+static int
+rl_refund_weight(const RlPending *p)
+{
+	return p->limit.algorithm != NULL && p->limit.algorithm->keeps_records ?
+		RL_REFUND_RECORDS_WEIGHT : 1;
+}
+
 /* qsort order of RlHashSlotted: by slot */
 static int
 rl_hash_slotted_cmp(const void *a, const void *b)
@@ -443,7 +455,7 @@ rl_hash_slotted_cmp(const void *a, const void *b)
 
 /*
  * Queues the script calls for the n entries of slotted (palloc'd; sorted
- * here) of scope, at most RL_REFUND_BATCH keys each, so that no one call
+ * here) of scope, weighing at most RL_REFUND_BATCH each, so that no one call
  * holds Redis long, and in cluster mode the keys of one slot each (a
  * script's keys must share one), on the connection their charges went to.
  * parents: the ids of the enclosing scopes, joined with ','.
@@ -465,11 +477,12 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 	for (j = 0; j < n; j += batch)
 	{
 		/*
-		 * The run of keys of one slot, at most RL_REFUND_BATCH. When the
-		 * call will be handed to the worker of the shared transport (the
-		 * session has no connection of its own open), at most what a slot
-		 * of its queue holds besides the scope ids: a call too large for it
-		 * would wait for a connection the session may never open.
+		 * The run of keys of one slot, weighing at most RL_REFUND_BATCH.
+		 * When the call will be handed to the worker of the shared
+		 * transport (the session has no connection of its own open), at
+		 * most what a slot of its queue holds besides the scope ids: a call
+		 * too large for it would wait for a connection the session may
+		 * never open.
 		 */
 		RlConn	   *conn = rl_route_known(list[j]->key.data, list[j]->key.len);
 		bool		cut = rl_transport == RL_TRANSPORT_SHARED &&
@@ -477,12 +490,14 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 		size_t		budget = RL_SHARED_REQUEST_MAX - 1024 - strlen(parents) -
 			strlen(scope->id);
 		size_t		bytes = list[j]->key.len + RL_REFUND_KEY_BYTES;
+		int			weight = rl_refund_weight(list[j]);
 
-		for (batch = 1; j + batch < n && batch < RL_REFUND_BATCH &&
+		for (batch = 1; j + batch < n &&
 			 slotted[j + batch].slot == slotted[j].slot; batch++)
 		{
+			weight += rl_refund_weight(list[j + batch]);
 			bytes += list[j + batch]->key.len + RL_REFUND_KEY_BYTES;
-			if (cut && bytes > budget)
+			if (weight > RL_REFUND_BATCH || (cut && bytes > budget))
 				break;
 		}
 		rl_scope_queue_batch(scope, script, refund, idempotent, list + j,
