@@ -1180,7 +1180,7 @@ def test_sub_millisecond_state_keeps_a_ttl(sessions, shared_redis, algorithm):
                 conn.execute(q, (new_id(), 2147483646, 2, 1, 2147483646))
         calls += 3000
         keys = scan_keys(shared_redis, glob_escape(prefix) + "*")
-        # (a key written on the test clock lives at least 1 s: they are all
+        # (a key written on the test clock lives at least 10 s: they are all
         # still there, so they are checked in one round trip)
         without_ttl = shared_redis.command("EVAL", WITHOUT_TTL, len(keys), *keys) if keys else []
     assert without_ttl == [], "after %d calls, %d keys without TTL, e.g. %r = %r" % (
@@ -1249,7 +1249,7 @@ RETRY_PARAMS = [
     (1000, 1000, 1),
 ]
 RETRY_STEPS = 300
-# The walk is on the frozen clock; a key written on it lives at least 1 s of
+# The walk is on the frozen clock; a key written on it lives at least 10 s of
 # real time (common.lua), so the state survives from one call to the next
 # even at limits whose whole refill is a millisecond.
 
