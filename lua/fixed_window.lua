@@ -18,8 +18,8 @@ ALG.fixed = {}
 local FIXED_FORMAT = '<I4I7I7I4'
 local FIXED_BYTES = 22
 
--- The window of now: its number, start (ms) and ms left, the units used in
--- it, the key's epoch and the lim its state was written under (nil, nil
+-- The window of now: its number and ms left, the units used in it, the
+-- key's epoch and the lim its state was written under (nil, nil
 -- without a key). now is never earlier than the start of window w.
 local function fixed_state(key, p, now)
   local v = redis.call('GET', key)
@@ -33,8 +33,7 @@ local function fixed_state(key, p, now)
     if math.floor(now / wus) ~= w then used = 0 end
   end
   local idx = math.floor(now / wus)
-  local start = idx * p.window_ms
-  return now, idx, start, math.ceil(start + p.window_ms - now / 1000), used,
+  return now, idx, math.ceil((idx + 1) * p.window_ms - now / 1000), used,
     epoch, lim
 end
 
@@ -52,7 +51,7 @@ local function fixed_save(key, p, idx, left, n, now, real, epoch)
 end
 
 ALG.fixed.decide = function(key, p, cost, real)
-  local now, idx, start, left, used, epoch = fixed_state(key, p, real)
+  local now, idx, left, used, epoch = fixed_state(key, p, real)
   local lim = p.lim
   local n = used + cost
 
@@ -75,7 +74,7 @@ ALG.fixed.decide = function(key, p, cost, real)
 end
 
 ALG.fixed.refund = function(key, p, real, r)
-  local now, idx, start, left, used, epoch, lim = fixed_state(key, p, real)
+  local now, idx, left, used, epoch, lim = fixed_state(key, p, real)
   if r.idx == idx and used > 0 and epoch == r.epoch and lim == p.lim then
     fixed_save(key, p, idx, left, math.max(used - r.units, 0), now, real, epoch)
   end
