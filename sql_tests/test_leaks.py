@@ -1,6 +1,6 @@
 """Resource leaks in a long-lived backend: file descriptors after many
-failed connects, memory after a million decisions and after many Redis
-error replies.
+failed connects, memory after 250 000 decisions (less than a byte per call)
+and after many Redis error replies.
 
 The backend is inspected through /proc/<pid> (the tests run as root, or as
 the cluster's owner) and pg_backend_memory_contexts (which shows the memory
@@ -218,10 +218,15 @@ MIXED_BODY = """
 
 
 @pytest.mark.heavy
-def test_million_calls_do_not_grow_memory(pg, shared_redis):
-    warm, n = 20000, 1000000
-    # a memory test: one slow reply among a million (the shared Redis serves
-    # the parallel tests too) must not end it, so command_timeout is long
+def test_many_calls_do_not_grow_memory(pg, shared_redis):
+    """250 000 decisions after a warm-up grow the backend by less than one
+    byte per call, both its RSS and its memory contexts: a leak of a byte a
+    call fails it. (A million calls with a 1 MB bound asked the same per
+    call at four times the CPU; measured growth: +12 kB RSS, -8 kB of
+    contexts over a million.)"""
+    warm, n = 20000, 250000
+    # a memory test: one slow reply among them (the shared Redis serves the
+    # parallel tests too) must not end it, so command_timeout is long
     use_redis(pg, shared_redis, on_error="error", sliding_max_lim=100000, command_timeout=60000)
     pid = pg.info.backend_pid
     idents = {k: new_ident("mem" + k) for k in "abc"}
@@ -239,8 +244,8 @@ def test_million_calls_do_not_grow_memory(pg, shared_redis):
            first.mem["VmRSS"], second.mem["VmRSS"], rss_kb, parts,
            first.ctx, second.ctx, ctx)
     )
-    assert rss_kb < 1024, (rss_kb, parts)
-    assert ctx < MB, ctx
+    assert rss_kb * KB < n, (rss_kb, parts)
+    assert ctx < n, ctx
     assert pg.execute("SELECT pg_backend_pid()").fetchone()[0] == pid
 
 
