@@ -23,6 +23,8 @@ packages=(
 	python3-pytest
 	python3-pytest-xdist
 	pgbouncer
+	# the postgres_exporter route of the metrics (sql_tests/test_exporter.py)
+	prometheus-postgres-exporter
 )
 case ${RL_REDIS_SERVER:-} in
 valkey*) packages+=(valkey-server valkey-tools) ;;

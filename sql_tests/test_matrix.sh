@@ -61,7 +61,8 @@ packages() {
 	echo postgresql-"$pgv" postgresql-server-dev-"$pgv" postgresql-server-dev-all \
 		build-essential libhiredis-dev libssl-dev redis-server redis-tools \
 		valkey-server valkey-tools python3 python3-psycopg python3-pytest \
-		python3-pytest-xdist debhelper openssl git pgbouncer ca-certificates
+		python3-pytest-xdist debhelper openssl git pgbouncer ca-certificates \
+		prometheus-postgres-exporter
 }
 
 if [ "$(id -u)" != 0 ]; then
