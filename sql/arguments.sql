@@ -51,3 +51,37 @@ SELECT rl_reset('args:big');
 INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES ('too.big', 'sliding', 100001, 60000);
 INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES ('too.long', 'fixed', 1, 3153600000001);
 \set VERBOSITY default
+-- The window (or a lease) as an interval, or as a text holding one; a text
+-- of digits alone is milliseconds: the same limit, so the same count
+SELECT allowed, lim, remaining FROM rl_fixed('iv', 5, '1 minute');
+SELECT allowed, lim, remaining FROM rl_fixed('iv', 5, interval '60 seconds');
+SELECT allowed, lim, remaining FROM rl_fixed('iv', 5, 60000);
+SELECT allowed, lim, remaining FROM rl_fixed('iv', 5, ' 60000 ');
+SELECT rl_fixed_allow('iv', 5, '00:01:00'), rl_fixed_allow('iv', 5, '1 minute');
+SELECT allowed, remaining FROM rl_token_bucket('iv', 10, '1 hour', 3, 4);
+SELECT allowed, remaining FROM rl_token_bucket_refund('iv', 10, interval '3600 s', 2, 4);
+SELECT identity, allowed, remaining FROM rl_sliding_many(ARRAY['iv1', 'iv2'], 2, '2 days');
+SELECT rl_concurrency_acquire_allow('iv', 1, '30 seconds'), rl_concurrency_acquire_allow('iv', 1, interval '30 s');
+-- refused: months and years (their length varies), fractions of a
+-- millisecond, what is not an interval, and what is out of range
+SELECT rl_fixed_allow('iv', 5, '1 month');
+SELECT rl_gcra_allow('iv', 5, interval '1 year');
+SELECT rl_fixed_allow('iv', 5, interval '1.5 ms');
+SELECT rl_sliding_allow('iv', 5, 'soon');
+SELECT rl_fixed_allow('iv', 5, '-1 minute');
+SELECT rl_fixed_allow('iv', 5, interval '36525 days 1 ms');
+SELECT rl_fixed_allow('iv', 5, NULL::interval);
+SELECT rl_concurrency_acquire('iv', 1, interval '0');
+-- every overload is its bigint form with another type of window: the same
+-- C function, attributes, result and privileges (administrators only)
+SELECT o.proname, pg_catalog.format_type(o.proargtypes[2], NULL) AS window_type,
+       o.prosrc = b.prosrc AND o.provolatile = b.provolatile AND o.proparallel = b.proparallel
+       AND o.proisstrict = b.proisstrict AND o.prorows = b.prorows AND o.prorettype = b.prorettype
+       AND o.proretset = b.proretset AND o.proargnames[4:] IS NOT DISTINCT FROM b.proargnames[4:]
+       AND o.pronargdefaults = b.pronargdefaults
+       AND NOT has_function_privilege('public', o.oid, 'EXECUTE') AS same
+  FROM pg_catalog.pg_proc o
+  JOIN pg_catalog.pg_proc b ON b.proname = o.proname AND b.pronamespace = o.pronamespace
+                           AND b.pronargs = o.pronargs AND b.proargtypes[2] = 'bigint'::regtype
+ WHERE o.pronamespace = 'public'::regnamespace AND o.proargtypes[2] <> 'bigint'::regtype
+ ORDER BY 1, 2;

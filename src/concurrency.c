@@ -24,7 +24,7 @@ rl_acquire_charge(const char *policy, text *identity, const RlLimit *limit,
 	rl_decide(&req, d);
 }
 
-/* Takes a slot for the arguments (identity, lim, lease_ms). */
+/* Takes a slot for the arguments (identity, lim, lease): rl_get_window_ms. */
 static void
 rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 {
@@ -32,9 +32,8 @@ rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 	RlLimit		limit = {NULL, 0, 0, 0};
 
 	rl_check_not_null(fcinfo, 1, "lim");
-	rl_check_not_null(fcinfo, 2, "lease_ms");
 	limit.lim = PG_GETARG_INT32(1);
-	limit.window_ms = PG_GETARG_INT64(2);
+	limit.window_ms = rl_get_window_ms(fcinfo, 2, "lease_ms");
 	rl_acquire_charge(NULL, identity, &limit, d);
 }
 

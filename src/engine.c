@@ -20,6 +20,8 @@
 #include "miscadmin.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/lsyscache.h"
+#include "utils/timestamp.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
 
@@ -102,6 +104,60 @@ rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must not be negative", name)));
 	return cost;
+}
+
+/*
+ * Returns argument argno, a window or a lease, in milliseconds, not null.
+ * The explicit-limit functions take it as a bigint (milliseconds), an
+ * interval, or a text: digits alone are milliseconds, as the bigint, any
+ * other text is read as an interval ('1 minute'). An interval must be a
+ * whole number of milliseconds and hold no months or years, whose length
+ * varies (a day is 86 400 000 ms). The range is rl_check_limit's.
+ */
+int64
+rl_get_window_ms(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	Oid			type = get_fn_expr_argtype(fcinfo->flinfo, argno);
+	Interval   *span;
+
+	rl_check_not_null(fcinfo, argno, name);
+	if (!OidIsValid(type))
+	{
+		/* called without an expression: the function's declared type */
+		Oid		   *argtypes;
+		int			nargs;
+
+		get_func_signature(fcinfo->flinfo->fn_oid, &argtypes, &nargs);
+		type = argno < nargs ? argtypes[argno] : INT8OID;
+	}
+	if (type == TEXTOID)
+	{
+		char	   *s = text_to_cstring(PG_GETARG_TEXT_PP(argno));
+		const char *p = s + strspn(s, " ");
+		size_t		digits = strspn(p, "0123456789");
+
+		if (digits > 0 && p[digits + strspn(p + digits, " ")] == '\0')
+			return DatumGetInt64(DirectFunctionCall1(int8in, CStringGetDatum(s)));
+		span = DatumGetIntervalP(DirectFunctionCall3(interval_in, CStringGetDatum(s),
+													 ObjectIdGetDatum(InvalidOid),
+													 Int32GetDatum(-1)));
+	}
+	else if (type == INTERVALOID)
+		span = PG_GETARG_INTERVAL_P(argno);
+	else
+		return PG_GETARG_INT64(argno);
+
+	if (span->month != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must not be given in months or years", name),
+				 errdetail("The length of a month or a year varies."),
+				 errhint("Give it in days, for example interval '30 days'.")));
+	if (span->time % 1000 != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be a whole number of milliseconds", name)));
+	return (int64) span->day * 86400000 + span->time / 1000;
 }
 
 /*

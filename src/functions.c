@@ -16,17 +16,18 @@
 #include "rl_redis.h"
 
 /*
- * Reads the limit (lim, window_ms [, burst]: arguments 1, 2 and 4) of the
- * explicit-limit SQL function being called into limit (rl_decide checks it).
+ * Reads the limit (lim, window [, burst]: arguments 1, 2 and 4) of the
+ * explicit-limit SQL function being called into limit (rl_decide checks it);
+ * the window is a bigint of milliseconds, an interval or a text
+ * (rl_get_window_ms).
  */
 static void
 rl_limit_args(FunctionCallInfo fcinfo, int algorithm, RlLimit *limit)
 {
 	rl_check_not_null(fcinfo, 1, "lim");
-	rl_check_not_null(fcinfo, 2, "window_ms");
 	limit->algorithm = &rl_algorithms[algorithm];
 	limit->lim = PG_GETARG_INT32(1);
-	limit->window_ms = PG_GETARG_INT64(2);
+	limit->window_ms = rl_get_window_ms(fcinfo, 2, "window_ms");
 	limit->burst = 0;
 	/* burst: NULL means the same as lim */
 	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))

@@ -820,6 +820,8 @@ extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 extern void rl_check_identity(size_t len, Relation rel, bool existing);
 extern text *rl_get_identity(FunctionCallInfo fcinfo, int argno);
 extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
+extern int64 rl_get_window_ms(FunctionCallInfo fcinfo, int argno,
+							  const char *name);
 extern void rl_check_limit(const RlLimit *limit);
 extern void rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 						  const char *policy, int argno, int32 cost);
