@@ -4,8 +4,10 @@
 \echo Use "ALTER EXTENSION rl_redis UPDATE TO '1.6'" to load this file. \quit
 
 -- Descriptions and named constraints (issue 21): every object says what it
--- does and who may call it (\df+ rl_*, \dT+, \dv+, \d+ rl_policy), and each
--- check of rl_policy is named for what it checks.
+-- does and who may call it (\df+ rl_*, \dT+, \dv+, \dd rl_policy*), and
+-- each check of rl_policy is named for what it checks. A function's
+-- description ends "; for every role." exactly when PUBLIC may execute it
+-- (upgrade.sql checks both).
 
 COMMENT ON TYPE @extschema@.rl_result IS
     'One rate-limit decision: allowed, the limit applied, units remaining, ms until the quota is back, ms until a retry can pass (-1: never).';

@@ -57,5 +57,12 @@ SELECT p.proname
  WHERE d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'rl_redis')
    AND NOT has_function_privilege('public', p.oid, 'EXECUTE')
  ORDER BY 1;
+-- a description says "for every role." exactly when PUBLIC may execute it
+SELECT p.oid::regprocedure::text AS function
+  FROM pg_proc p JOIN pg_depend d ON d.objid = p.oid
+ WHERE d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'rl_redis')
+   AND has_function_privilege('public', p.oid, 'EXECUTE')
+       <> (coalesce(obj_description(p.oid, 'pg_proc'), '') LIKE '%; for every role.')
+ ORDER BY 1;
 SELECT has_table_privilege('public', 'rl_policy', 'SELECT') AS public_reads_policies,
        has_table_privilege('public', 'rl_policy', 'INSERT') AS public_writes_policies;
