@@ -95,7 +95,7 @@ COMMENT ON FUNCTION @extschema@.rl_redis_ping() IS
 COMMENT ON FUNCTION @extschema@.rl_redis_stats_rows() IS
     'Returns the raw decision and error counters behind the view rl_redis_stats; for pg_read_all_stats.';
 COMMENT ON FUNCTION @extschema@.rl_redis_stats_scope() IS
-    'Says where the statistics are kept: shared (preloaded library) or backend; for pg_read_all_stats.';
+    'Says where the statistics are kept: server (shared memory, library preloaded) or backend; for pg_read_all_stats.';
 COMMENT ON FUNCTION @extschema@.rl_redis_rtt_bounds() IS
     'Returns the upper bounds in ms of the round-trip time histogram''s buckets; for pg_read_all_stats.';
 COMMENT ON FUNCTION @extschema@.rl_redis_stats_reset() IS
