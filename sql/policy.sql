@@ -55,11 +55,36 @@ SELECT rl_check('free', 'po:u1', -1);
 SELECT rl_check_all('{}', 'po:u1');
 SELECT rl_check_all(NULL, 'po:u1');
 SELECT rl_check_all('{free,NULL}', 'po:u1');
-INSERT INTO rl_policy VALUES ('bad name', 'fixed', 1, 1000);
-INSERT INTO rl_policy VALUES ('bad', 'leaky', 1, 1000);
-INSERT INTO rl_policy VALUES ('bad', 'fixed', 0, 1000);
-INSERT INTO rl_policy VALUES ('bad', 'fixed', 1, 1000, 5);
 \set VERBOSITY default
+-- a bad row names the constraint it violates
+CREATE FUNCTION pg_temp.violation(row_values text) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    sqlstate_text text;
+    violated text;
+BEGIN
+    EXECUTE 'INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst) VALUES '
+            || row_values;
+    RETURN 'inserted';
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS sqlstate_text = RETURNED_SQLSTATE, violated = CONSTRAINT_NAME;
+    RETURN sqlstate_text || ' ' || violated;
+END
+$$;
+SELECT v AS row_values, pg_temp.violation(v) AS error FROM (VALUES
+    ($$('bad name', 'fixed', 1, 1000, NULL)$$),
+    ($$(repeat('n', 64), 'fixed', 1, 1000, NULL)$$),
+    ($$('free', 'fixed', 1, 1000, NULL)$$),
+    ($$('bad', 'leaky', 1, 1000, NULL)$$),
+    ($$('bad', 'fixed', 0, 1000, NULL)$$),
+    ($$('bad', 'sliding', 100001, 1000, NULL)$$),
+    ($$('bad', 'fixed', 1, 0, NULL)$$),
+    ($$('bad', 'fixed', 1, 3153600000001, NULL)$$),
+    ($$('bad', 'gcra', 1, 1000, 0)$$),
+    ($$('bad', 'fixed', 1, 1000, 5)$$),
+    ($$('bad', 'gcra', 1, 3153600000000, 2)$$),
+    ($$('good', 'gcra', 1, 3153600000000, 1)$$)) t(v);
+DELETE FROM rl_policy WHERE name = 'good';
 SELECT rl_check('no_such_policy', 'po:u1');
 SELECT rl_check_all('{}', 'po:u1');
 
