@@ -820,19 +820,33 @@ def test_without_preloading_scope_backend(unpreloaded_cluster):
 
 
 def test_readme_postgres_exporter_query(pg, policies):
-    """The postgres_exporter custom query the README shows runs, and every
-    metric it declares is one of its columns (the README example is tested
-    here, as test_readme.py cannot run a YAML block)."""
+    """The postgres_exporter queries file the README shows runs on the
+    shared server: each query returns exactly the columns its metrics
+    declare (a HISTOGRAM column with its _bucket, _sum and _count), with a
+    policy's counts (test_exporter.py runs the exporter itself on it)."""
     import re
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    m = re.search(r'^rl_redis:\n  query: "([^"]+)"\n  metrics:\n((?:    - .*\n)+)', readme, re.M)
-    assert m, "the postgres_exporter example is missing from README.md"
-    query, metrics = m.group(1), re.findall(r"^    - (\w+):", m.group(2), re.M)
+    m = re.search(r"^```text\n(rl_redis:\n.*?)^```", readme, re.M | re.S)
+    assert m, "the postgres_exporter queries file is missing from README.md"
+    blocks = re.findall(r"^(\w+):\n  query: \|\n((?:    .*\n)+)  metrics:\n((?:    - .*\n)+)",
+                        m.group(1), re.M)
+    assert [b[0] for b in blocks] == ["rl_redis", "rl_redis_errors_by_kind"], blocks
     name = policies("fixed", 1, 60000)
     pg.execute("SELECT rl_allow(%s, 'exporter') FROM generate_series(1, 3)", (name,))
-    cur = pg.execute(query)
-    columns = [d.name for d in cur.description]
-    assert sorted(columns) == sorted(metrics)
-    rows = [dict(zip(columns, r)) for r in cur.fetchall()]
-    mine = [r for r in rows if r["policy"] == name]
-    assert len(mine) == 1 and mine[0]["allowed"] == 1 and mine[0]["denied"] == 2
+    for namespace, query, metrics in blocks:
+        declared = re.findall(r'^    - (\w+): \{usage: "(\w+)"', metrics, re.M)
+        want = []
+        for column, usage in declared:
+            want += [column] + ([column + s for s in ("_bucket", "_sum", "_count")]
+                                if usage == "HISTOGRAM" else [])
+        cur = pg.execute(query)
+        columns = [d.name for d in cur.description]
+        assert sorted(columns) == sorted(want), namespace
+        rows = [dict(zip(columns, r)) for r in cur.fetchall()]
+        mine = [r for r in rows if r["policy"] == name]
+        if namespace == "rl_redis":
+            assert len(mine) == 1 and mine[0]["allowed_total"] == 1 and mine[0]["denied_total"] == 2
+            assert mine[0]["rtt_seconds_count"] == 3
+        else:
+            assert sorted((r["kind"], r["total"]) for r in mine) == [
+                ("connection", 0), ("protocol", 0), ("reply", 0), ("timeout", 0)]
