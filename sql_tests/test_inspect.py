@@ -250,3 +250,23 @@ def test_holders_arguments(pg, policies):
     policy = policies("fixed")
     assert sqlstate_of(pg, "SELECT * FROM rl_concurrency_holders(%s, 'x')", (policy,)) == "22023"
     assert sqlstate_of(pg, "SELECT * FROM rl_concurrency_holders('no_such_policy', 'x')") == "42704"
+
+
+def test_stats_serve_the_1_5_declaration_until_the_update(pg, policies):
+    """rl_redis_stats_rows serves the 1.5 declaration (18 columns) and,
+    after ALTER EXTENSION UPDATE, 1.6's with peeks at the end."""
+    db = "rl_inspect_%s" % uuid.uuid4().hex[:10]
+    pg.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
+    try:
+        with pg_connect(dbname=db) as conn:
+            conn.execute("CREATE EXTENSION rl_redis VERSION '1.5'")
+            conn.execute("SELECT rl_fixed_allow(%s, 3, 60000, 0)", (new_ident("inspect"),))
+            query = "SELECT * FROM rl_redis_stats WHERE dbname = current_database() AND algorithm = 'fixed'"
+            cur = conn.execute(query)
+            assert len(cur.description) == 19 and cur.fetchall()[0][3] == 0
+            conn.execute("ALTER EXTENSION rl_redis UPDATE")
+            cur = conn.execute(query)
+            assert [c.name for c in cur.description][-2:] == ["scope", "peeks"]
+            assert cur.fetchall()[0][-1] == 1
+    finally:
+        pg.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(db)))
