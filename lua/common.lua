@@ -35,6 +35,11 @@ local ALG = {}
 -- Whether this call runs on the test clock (rl_redis.test_clock_ms).
 local on_test_clock = false
 
+-- Whether this call is a dry run (rl_inspect), set by the main part: it is
+-- decided as usual, and nothing is written (the caller runs no commit, and
+-- what a decide writes before its commit it skips).
+local dry_run = false
+
 -- Real milliseconds that a key written on the test clock lives at least:
 -- that clock stands still between a test's calls while Redis's expiry
 -- runs on, so a state that counts for 1 ms of the test clock must outlive

@@ -4,23 +4,46 @@
 -- ZREM by their holder; a holder that never does (a crashed backend) loses
 -- its slot when the lease ends. The key expires with its last lease.
 -- KEYS[1]  the identity's key
--- ARGV     lim, lease_ms, token, now_us ('' for Redis TIME)
+-- ARGV     lim, lease_ms, token, now_us ('' for Redis TIME), then for a dry
+--          run (rl_inspect) the slots asked for: the call says whether they
+--          fit and holds nothing ('' takes one slot)
 -- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, now_us, 0};
 -- reset_ms is the time until the last lease ends, retry_after_ms the time
--- until the first one does.
+-- until enough leases end (-1: never, more slots asked than lim). A dry run
+-- leaves the leases that ended in place and counts them out; its remaining
+-- is lim less the slots held now.
 local key = KEYS[1]
 local lim = tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local now = clock_us(ARGV[4])
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-local held = redis.call('ZCARD', key)
+dry_run = ARGV[5] ~= nil and ARGV[5] ~= ''
+local asked = dry_run and tonumber(ARGV[5]) or 1
+local gone = 0
+if dry_run then
+  gone = redis.call('ZCOUNT', key, '-inf', now)
+else
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+end
+local held = redis.call('ZCARD', key) - gone
 
--- ms until the lease at rank r (0 = first to end, -1 = last) ends
+-- ms until the lease at rank r among the held ones (0 = first to end, -1 =
+-- last) ends
 local function lease_left(r)
+  if r >= 0 then r = r + gone end
   local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
   return math.max(ms(tonumber(s) - now), 1)
 end
 
+if dry_run then
+  local reset = 0
+  if held > 0 then reset = lease_left(-1) end
+  if held + asked <= lim then
+    return {1, lim, lim - held, reset, 0, now, 0}
+  end
+  local retry = -1
+  if asked <= lim then retry = lease_left(held + asked - lim - 1) end
+  return {0, lim, math.max(lim - held, 0), reset, retry, now, 0}
+end
 if held < lim then
   redis.call('ZADD', key, now + lease_ms * 1000, ARGV[3])
   local last = lease_left(-1)

@@ -31,10 +31,12 @@ end
 local function gcra_state(key, p, now)
   local state = redis.pcall('HMGET', key, 'b', 'ts', 'k')
   if state.err then
-    -- a 1.2 string key: its value is the TAT
+    -- a 1.2 string key: its value is the TAT (rewritten, but for a dry run)
     local tat = tonumber(redis.call('GET', key)) or now
-    redis.call('DEL', key)
-    gcra_save(key, p, math.max(tat - now, 0), now, now)
+    if not dry_run then
+      redis.call('DEL', key)
+      gcra_save(key, p, math.max(tat - now, 0), now, now)
+    end
     return now, math.max(tat - now, 0), 0
   end
   if not state[1] then return now, 0, 0 end

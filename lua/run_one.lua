@@ -3,7 +3,8 @@
 -- KEYS[1]  the identity's key
 -- ARGV     algorithm, lim, window_ms, cost (< 0: give back), burst (0: none),
 --          now_us (test clock; '' for Redis TIME), refund scopes
---          ("a,b": outermost first; '' for none)
+--          ("a,b": outermost first; '' for none), dry run ('1': decide
+--          and write nothing, see rl_inspect; '': apply the call)
 -- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us,
 -- epoch} (epoch: of the key, for the fixed window and the sliding counter;
 -- else 0).
@@ -11,9 +12,10 @@ local p = {lim = tonumber(ARGV[2]), window_ms = tonumber(ARGV[3]),
            burst = tonumber(ARGV[5])}
 p.cap = p.burst > 0 and p.burst or p.lim
 local now = clock_us(ARGV[6])
+dry_run = ARGV[8] == '1'
 local result, commit = ALG[ARGV[1]].decide(KEYS[1], p, tonumber(ARGV[4]),
   now, split(ARGV[7]))
-if result[1] == 1 and commit then
+if result[1] == 1 and commit and not dry_run then
   commit()
 end
 return from_clock(result, now)

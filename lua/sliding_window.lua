@@ -7,22 +7,31 @@
 -- that are still in the window.
 ALG.sliding = {}
 
--- Drops the units that have left the window and returns now (never earlier
--- than the newest unit) and the number of units in the window. The key's
--- expiry counts from the newest unit.
+-- Drops the units that have left the window (a dry run counts them
+-- instead) and returns now (never earlier than the newest unit), the
+-- number of units in the window and the number of members before them
+-- (left in place by a dry run). The key's expiry counts from the newest
+-- unit.
 local function log_state(key, p, now)
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
   if newest then now = math.max(now, tonumber(newest)) end
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000)
-  return now, redis.call('ZCARD', key)
+  local gone = 0
+  if dry_run then
+    gone = redis.call('ZCOUNT', key, '-inf', now - p.window_ms * 1000)
+  else
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000)
+  end
+  return now, redis.call('ZCARD', key) - gone, gone
 end
 
 ALG.sliding.decide = function(key, p, cost, real, scopes)
-  local now, used = log_state(key, p, real)
+  local now, used, gone = log_state(key, p, real)
   local lim, window = p.lim, p.window_ms * 1000
 
-  -- ms until the member at rank r (0 = oldest, -1 = newest) leaves
+  -- ms until the unit at rank r in the window (0 = oldest, -1 = newest)
+  -- leaves
   local function ms_until_gone(r)
+    if r >= 0 then r = r + gone end
     local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
     return math.max(ms(tonumber(s) + window - now), 1)
   end

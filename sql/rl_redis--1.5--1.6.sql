@@ -364,6 +364,127 @@ COMMENT ON FUNCTION @extschema@.rl_gcra_many(text[], integer, interval, integer,
 COMMENT ON FUNCTION @extschema@.rl_gcra_many(text[], integer, text, integer, integer) IS
     'Like rl_gcra_many(text[], integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
 
+-- Inspecting a quota (issue 21, item 1): rl_inspect, rl_concurrency_holders
+-- and the peeks of the statistics.
+
+-- what rl_check (or rl_acquire) would answer now; charges and writes nothing
+CREATE FUNCTION @extschema@.rl_inspect(policy text, identity text, cost integer DEFAULT 1)
+RETURNS @extschema@.rl_result
+AS 'MODULE_PATHNAME', 'rl_inspect'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+-- who holds an identity's slots of a concurrency policy: backends' pids,
+-- so for administrators
+CREATE FUNCTION @extschema@.rl_concurrency_holders(policy text, identity text)
+RETURNS TABLE (holder text, backend_pid integer, lease_ends timestamptz)
+AS 'MODULE_PATHNAME', 'rl_concurrency_holders'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+REVOKE ALL ON FUNCTION @extschema@.rl_concurrency_holders(text, text) FROM PUBLIC;
+
+-- peeks (calls of cost 0 and rl_inspect) are counted apart: a column at the
+-- end of rl_redis_stats_rows and of the view, and a metric; the view and
+-- rl_redis_metrics are made again over the new function, with their grants
+DROP FUNCTION @extschema@.rl_redis_metrics();
+DROP VIEW @extschema@.rl_redis_stats;
+DROP FUNCTION @extschema@.rl_redis_stats_rows();
+
+CREATE FUNCTION @extschema@.rl_redis_stats_rows(
+    OUT dbid oid, OUT policy text, OUT algorithm text,
+    OUT calls bigint, OUT allowed bigint, OUT denied bigint,
+    OUT units_taken bigint, OUT units_refunded bigint,
+    OUT errors bigint, OUT errors_connection bigint, OUT errors_timeout bigint,
+    OUT errors_reply bigint, OUT errors_protocol bigint,
+    OUT fallback_allow bigint, OUT fallback_deny bigint, OUT outages bigint,
+    OUT rtt_buckets bigint[], OUT rtt_sum_ms double precision,
+    OUT peeks bigint)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'rl_redis_stats_rows'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+
+CREATE VIEW @extschema@.rl_redis_stats AS
+SELECT d.datname AS dbname, s.policy, s.algorithm,
+       s.calls, s.allowed, s.denied, s.units_taken, s.units_refunded,
+       s.errors, s.errors_connection, s.errors_timeout, s.errors_reply,
+       s.errors_protocol, s.fallback_allow, s.fallback_deny, s.outages,
+       s.rtt_buckets, s.rtt_sum_ms,
+       @extschema@.rl_redis_stats_scope() AS scope,
+       s.peeks
+  FROM @extschema@.rl_redis_stats_rows() s
+  LEFT JOIN pg_catalog.pg_database d ON d.oid = s.dbid;
+
+-- The statistics in Prometheus' text exposition format (version 0.0.4).
+CREATE FUNCTION @extschema@.rl_redis_metrics()
+RETURNS text
+LANGUAGE sql VOLATILE PARALLEL RESTRICTED
+SET search_path = pg_catalog, pg_temp
+SET extra_float_digits = 1
+BEGIN ATOMIC
+  WITH rows AS (
+    SELECT '{database="' || replace(replace(replace(coalesce(s.dbname, ''), '\', '\\'), '"', '\"'), E'\n', '\n')
+           || '",policy="' || replace(replace(replace(coalesce(s.policy, ''), '\', '\\'), '"', '\"'), E'\n', '\n')
+           || '",algorithm="' || replace(replace(replace(s.algorithm, '\', '\\'), '"', '\"'), E'\n', '\n')
+           || '"' AS labels, s.*
+      FROM @extschema@.rl_redis_stats s
+     WHERE s.dbname IS NOT NULL     -- rows of dropped databases stay until a restart
+  ), counters(metric, help, ord) AS (
+    VALUES ('calls', 'Decisions asked of Redis (allowed + denied + errors).', 1),
+           ('allowed', 'Calls Redis allowed.', 2),
+           ('denied', 'Calls Redis denied.', 3),
+           ('units_taken', 'Units taken by allowed calls.', 4),
+           ('units_refunded', 'Units given back (rolled-back transactions, refund functions).', 5),
+           ('errors', 'Calls that got no decision from Redis.', 6),
+           ('fallback_allow', 'Failed calls that rl_redis.on_error allowed.', 7),
+           ('fallback_deny', 'Failed calls that rl_redis.on_error denied.', 8),
+           ('outages', 'Failures that began an outage (the circuit breaker opened).', 9),
+           ('peeks', 'Peeks Redis answered (rl_inspect, cost 0), not in calls.', 12)
+  ), lines(ord, grp, sub, line) AS (
+    SELECT c.ord, '', 0, '# HELP rl_redis_' || c.metric || '_total ' || c.help || E'\n'
+           || '# TYPE rl_redis_' || c.metric || '_total counter'
+      FROM counters c
+    UNION ALL
+    SELECT c.ord, r.labels, 0, 'rl_redis_' || c.metric || '_total' || r.labels || '} '
+           || CASE c.metric WHEN 'calls' THEN r.calls WHEN 'allowed' THEN r.allowed
+                            WHEN 'denied' THEN r.denied WHEN 'units_taken' THEN r.units_taken
+                            WHEN 'units_refunded' THEN r.units_refunded WHEN 'errors' THEN r.errors
+                            WHEN 'fallback_allow' THEN r.fallback_allow
+                            WHEN 'fallback_deny' THEN r.fallback_deny
+                            WHEN 'peeks' THEN r.peeks ELSE r.outages END
+      FROM counters c, rows r
+    UNION ALL
+    SELECT 10, '', 0, E'# HELP rl_redis_errors_by_kind_total Calls that got no decision, by kind of failure.\n'
+           || '# TYPE rl_redis_errors_by_kind_total counter'
+    UNION ALL
+    SELECT 10, r.labels, k.i, 'rl_redis_errors_by_kind_total' || r.labels || ',kind="' || k.kind || '"} ' || k.n
+      FROM rows r,
+           LATERAL (VALUES (1, 'connection', r.errors_connection), (2, 'timeout', r.errors_timeout),
+                           (3, 'reply', r.errors_reply), (4, 'protocol', r.errors_protocol)) k(i, kind, n)
+    UNION ALL
+    SELECT 11, '', 0, E'# HELP rl_redis_rtt_seconds Time of the calls Redis answered, from sending to the reply.\n'
+           || '# TYPE rl_redis_rtt_seconds histogram'
+    UNION ALL
+    SELECT 11, r.labels, b.i, 'rl_redis_rtt_seconds_bucket' || r.labels || ',le="'
+           || CASE WHEN b.bound = 'infinity' THEN '+Inf' ELSE (b.bound / 1000)::text END || '"} '
+           || (SELECT sum(x) FROM unnest(r.rtt_buckets[1:b.i]) x)
+      FROM rows r, unnest(@extschema@.rl_redis_rtt_bounds()) WITH ORDINALITY b(bound, i)
+    UNION ALL
+    SELECT 11, r.labels, 100, 'rl_redis_rtt_seconds_sum' || r.labels || '} ' || (r.rtt_sum_ms / 1000)
+      FROM rows r
+    UNION ALL
+    SELECT 11, r.labels, 101, 'rl_redis_rtt_seconds_count' || r.labels || '} '
+           || (r.allowed + r.denied)
+      FROM rows r
+  )
+  SELECT coalesce(string_agg(line, E'\n' ORDER BY ord, grp, sub), '') || E'\n'
+    FROM lines;
+END;
+
+REVOKE ALL ON FUNCTION @extschema@.rl_redis_stats_rows() FROM PUBLIC;
+REVOKE ALL ON FUNCTION @extschema@.rl_redis_metrics() FROM PUBLIC;
+REVOKE ALL ON @extschema@.rl_redis_stats FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@.rl_redis_stats_rows() TO pg_read_all_stats;
+GRANT EXECUTE ON FUNCTION @extschema@.rl_redis_metrics() TO pg_read_all_stats;
+GRANT SELECT ON @extschema@.rl_redis_stats TO pg_read_all_stats;
+
 -- Descriptions and named constraints (issue 21): every object says what it
 -- does and who may call it (\df+ rl_*, \dT+, \dv+, \dd rl_policy*), and
 -- each check of rl_policy is named for what it checks. A function's
@@ -421,6 +542,10 @@ COMMENT ON FUNCTION @extschema@.rl_concurrency_acquire_allow(text, integer, bigi
 COMMENT ON FUNCTION @extschema@.rl_concurrency_release(text) IS
     'Gives back the slot this session took last for the identity, false when it holds none; for every role.';
 
+COMMENT ON FUNCTION @extschema@.rl_inspect(text, text, integer) IS
+    'Says what a call of cost would get now under a policy (slots held, for a concurrency policy), charging nothing and writing nothing in Redis; counted as a peek; for every role.';
+COMMENT ON FUNCTION @extschema@.rl_concurrency_holders(text, text) IS
+    'Lists the holders of an identity''s slots of a concurrency policy now: token, backend pid and lease end; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_check(text, text, integer) IS
     'Takes cost units from the identity''s quota under the named rl_policy row and returns the decision; for every role.';
 COMMENT ON FUNCTION @extschema@.rl_allow(text, text, integer) IS

@@ -26,7 +26,7 @@ from test_lying_redis import LyingRedis
 COUNTERS = (
     "calls", "allowed", "denied", "units_taken", "units_refunded",
     "errors", "errors_connection", "errors_timeout", "errors_reply",
-    "errors_protocol", "fallback_allow", "fallback_deny", "outages",
+    "errors_protocol", "fallback_allow", "fallback_deny", "outages", "peeks",
 )
 RTT_BUCKETS = 15
 # a fixed window of 100 years (the longest): windows are aligned on the
@@ -159,7 +159,7 @@ def test_version_and_objects(pg):
         "dbname", "policy", "algorithm", "calls", "allowed", "denied",
         "units_taken", "units_refunded", "errors", "errors_connection",
         "errors_timeout", "errors_reply", "errors_protocol", "fallback_allow",
-        "fallback_deny", "outages", "rtt_buckets", "rtt_sum_ms", "scope",
+        "fallback_deny", "outages", "rtt_buckets", "rtt_sum_ms", "scope", "peeks",
     ]
     bounds = pg.execute("SELECT rl_redis_rtt_bounds()").fetchone()[0]
     assert len(bounds) == RTT_BUCKETS
@@ -423,8 +423,9 @@ def test_units_refunded(pg, policies, shared_redis):
         row = stats_row(conn, policy)
         conn.commit()
         assert mid == 3 + 2
-        # peeks (cost 0) are calls too
-        assert_counts(row, calls=5, allowed=5, units_taken=3 + 4 + 2 + 1, units_refunded=3 + 2 + 5)
+        # a peek (cost 0) is counted apart (1.6), not as a call
+        assert_counts(row, calls=4, allowed=4, peeks=1, units_taken=3 + 4 + 2 + 1,
+                      units_refunded=3 + 2 + 5)
         # refund function: 2 units taken (committed), then given back by rl_refund
         assert conn.execute("SELECT rl_allow(%s, %s, 2)", (policy, ident)).fetchone()[0] is True
         conn.commit()

@@ -1,7 +1,8 @@
 /*
  * concurrency.c
  *	  The SQL functions of concurrency limits: rl_acquire, rl_release,
- *	  rl_concurrency_acquire, rl_concurrency_release.
+ *	  rl_concurrency_acquire, rl_concurrency_release, and
+ *	  rl_concurrency_holders, which lists who holds an identity's slots.
  *
  * A slot is taken through rl_decide (engine.c), which checks the identity
  * and the limit (lim slots, a lease of at most rl_redis.max_lease) as it
@@ -9,7 +10,10 @@
  */
 #include "postgres.h"
 
+#include "funcapi.h"
+#include "mb/pg_wchar.h"
 #include "utils/builtins.h"
+#include "utils/timestamp.h"
 
 #include "rl_redis.h"
 
@@ -37,12 +41,11 @@ rl_acquire_args(FunctionCallInfo fcinfo, RlDecision *d)
 	rl_acquire_charge(NULL, identity, &limit, d);
 }
 
-/* Takes a slot for the arguments (policy, identity). */
-static void
-rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
+/* Returns the concurrency policy named by argument argno; 22023 for a rate one. */
+static RlPolicy
+rl_concurrency_policy_arg(FunctionCallInfo fcinfo, int argno)
 {
-	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
-	text	   *identity = rl_get_identity(fcinfo, 1);
+	RlPolicy	policy = rl_policy_arg(fcinfo, argno);
 
 	if (!policy.concurrency)
 		ereport(ERROR,
@@ -50,6 +53,16 @@ rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
 				 errmsg("policy \"%s\" is a rate limit, not a concurrency limit",
 						policy.name),
 				 errhint("Decide with rl_check().")));
+	return policy;
+}
+
+/* Takes a slot for the arguments (policy, identity). */
+static void
+rl_acquire_policy(FunctionCallInfo fcinfo, RlDecision *d)
+{
+	RlPolicy	policy = rl_concurrency_policy_arg(fcinfo, 0);
+	text	   *identity = rl_get_identity(fcinfo, 1);
+
 	rl_acquire_charge(policy.name, identity, &policy.limit, d);
 }
 
@@ -125,4 +138,124 @@ rl_release(PG_FUNCTION_ARGS)
 	RlPolicy	policy = rl_policy_arg(fcinfo, 0);
 
 	PG_RETURN_BOOL(rl_release_slot(policy.name, rl_get_identity(fcinfo, 1)));
+}
+
+/*
+ * Sends a command on the connection key routes to and returns its reply,
+ * an array of an even number of strings, or raises: a failure, an error
+ * reply or another reply (freed first).
+ */
+static redisReply *
+rl_holders_command(StringInfo key, int argc, const char **argv,
+				   size_t *argvlen)
+{
+	RlFailure	failure = {0};
+	RlConn	   *conn;
+	redisReply *reply = rl_call(key->data, key->len, NULL, argc, argv, argvlen,
+								&conn, &failure);
+	size_t		i;
+
+	if (reply == NULL)
+		rl_raise(&failure);
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(conn, reply, &failure);
+		rl_raise(&failure);
+	}
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements % 2 != 0)
+		goto bad;
+	for (i = 0; i < reply->elements; i++)
+		if (reply->element[i]->type != REDIS_REPLY_STRING)
+			goto bad;
+	return reply;
+
+bad:
+	freeReplyObject(reply);
+	ereport(ERROR,
+			(errcode(ERRCODE_PROTOCOL_VIOLATION),
+			 errmsg("unexpected reply to %s from Redis at %s", argv[0],
+					rl_conn_name(conn))));
+	return NULL;				/* keep compiler quiet */
+}
+
+PG_FUNCTION_INFO_V1(rl_concurrency_holders);
+
+/*
+ * rl_concurrency_holders(policy, identity): who holds the identity's slots
+ * of a concurrency policy now (their leases have not ended on the clock of
+ * the scripts: Redis's, or the test clock), one row each, the lease ending
+ * first first: the slot's token (the holder), the pid of the backend that
+ * took it (the token's first field; NULL for a token that carries none)
+ * and when its lease ends.
+ */
+Datum
+rl_concurrency_holders(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	RlPolicy	policy = rl_concurrency_policy_arg(fcinfo, 0);
+	text	   *identity = rl_get_identity(fcinfo, 1);
+	StringInfo	key;
+	char		now_s[40];
+	const char *argv[6] = {"ZRANGE", NULL, now_s, "+inf", "BYSCORE", "WITHSCORES"};
+	size_t		argvlen[6] = {6, 0, 0, 4, 7, 10};
+	redisReply *reply;
+	size_t		i;
+
+	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, true);
+	key = rl_build_key(identity, policy.name, &policy.limit);
+	InitMaterializedSRF(fcinfo, 0);
+
+	/* the leases that end after now (the scripts free those that end then) */
+	now_s[0] = '(';
+	if (rl_clock_arg(now_s + 1) == 0)
+	{
+		const char *time_argv[1] = {"TIME"};
+		size_t		time_argvlen[1] = {4};
+
+		long long	sec,
+					usec;
+
+		reply = rl_holders_command(key, 1, time_argv, time_argvlen);
+		sec = reply->elements == 2 ? rl_reply_number(reply->element[0]) : -1;
+		usec = reply->elements == 2 ? rl_reply_number(reply->element[1]) : -1;
+		freeReplyObject(reply);
+		if (sec < 0 || sec >= 100000000000LL || usec < 0 || usec >= 1000000)
+			ereport(ERROR,
+					(errcode(ERRCODE_PROTOCOL_VIOLATION),
+					 errmsg("unexpected reply to TIME from Redis")));
+		snprintf(now_s + 1, sizeof(now_s) - 1, INT64_FORMAT,
+				 (int64) sec * 1000000 + (int64) usec);
+	}
+	argv[1] = key->data;
+	argvlen[1] = key->len;
+	argvlen[2] = strlen(now_s);
+	reply = rl_holders_command(key, 6, argv, argvlen);
+	for (i = 0; i < reply->elements; i += 2)
+	{
+		redisReply *member = reply->element[i];
+		long long	ends = rl_reply_number(reply->element[i + 1]);
+		Datum		values[3];
+		bool		nulls[3] = {false, false, false};
+		char	   *colon;
+		char	   *end;
+		long		pid;
+
+		/* a lease beyond what a timestamp holds is no slot of ours */
+		if (!pg_verifymbstr(member->str, member->len, true) ||
+			ends < 0 || ends >= 100000000000000000LL)
+			continue;
+		values[0] = PointerGetDatum(cstring_to_text_with_len(member->str, member->len));
+		/* the pid, as rl_take_slot writes it: "<pid>:..." */
+		colon = memchr(member->str, ':', member->len);
+		pid = colon ? strtol(member->str, &end, 10) : 0;
+		if (colon && end == colon && end > member->str && pid > 0 && pid <= PG_INT32_MAX)
+			values[1] = Int32GetDatum((int32) pid);
+		else
+			nulls[1] = true;
+		values[2] = TimestampTzGetDatum((TimestampTz) ends -
+										(POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	}
+	freeReplyObject(reply);
+	return (Datum) 0;
 }

@@ -633,12 +633,14 @@ rl_decide_all(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
  * Runs the script of charge c's limit for its identity and fills d; a
  * negative cost gives units back. An allowed charge is remembered for a
  * refund on abort (by: who made it). Applies on_error when Redis fails.
+ * A dry run (c->dry_run) is decided by Redis alone (not the deny cache),
+ * writes nothing, is remembered nowhere and is counted as a peek.
  */
 static void
 rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 {
-	const char *argv[11];
-	size_t		argvlen[11];
+	const char *argv[12];
+	size_t		argvlen[12];
 	char		lim_s[16],
 				window_s[24],
 				cost_s[16],
@@ -646,8 +648,9 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 				now_s[24];
 	const RlLimit *limit = c->limit;
 	int32		cost = c->cost;
+	int32		counted = c->dry_run ? 0 : cost;	/* for the statistics */
 	StringInfo	key = rl_build_key(c->identity, c->policy, limit);
-	const char *scopes = cost > 0 ? rl_refund_scopes(by) : "";
+	const char *scopes = cost > 0 && !c->dry_run ? rl_refund_scopes(by) : "";
 	TimestampTz start;
 	int64		sent_ms;
 	uint64		mark;
@@ -657,7 +660,8 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 	RlCallContext ctx;
 
 	/* a denial remembered here answers without Redis (deny_cache) */
-	if (rl_deny_cache_lookup(key->data, key->len, limit, rl_server_generation(),
+	if (!c->dry_run &&
+		rl_deny_cache_lookup(key->data, key->len, limit, rl_server_generation(),
 							 cost, d))
 	{
 		rl_stats_decided(key->data, key->len, d, cost, 0);
@@ -684,13 +688,15 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 	argvlen[9] = rl_clock_arg(now_s);
 	argv[10] = scopes;
 	argvlen[10] = strlen(scopes);
+	argv[11] = c->dry_run ? "1" : "";
+	argvlen[11] = strlen(argv[11]);
 
 	start = rl_stats ? GetCurrentTimestamp() : 0;
 	sent_ms = rl_deny_cache ? rl_deny_cache_now() : 0;
 	mark = rl_deny_cache_mark();
 	rl_context_push(&ctx, cost < 0 ? "refund" : "decision",
 					limit->algorithm->name, key->data, key->len, 0);
-	reply = rl_call(key->data, key->len, &limit->algorithm->script, 11, argv,
+	reply = rl_call(key->data, key->len, &limit->algorithm->script, 12, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
@@ -698,12 +704,14 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 		rl_stats_failed(key->data, key->len, &failure, true);
 		rl_apply_on_error(&failure, limit, cost, d);
 		rl_context_pop(&ctx);
-		rl_stats_decided(key->data, key->len, d, cost, 0);
+		rl_stats_decided(key->data, key->len, d, counted, 0);
 		return;
 	}
 	rl_context_pop(&ctx);
-	rl_stats_decided(key->data, key->len, d, cost,
+	rl_stats_decided(key->data, key->len, d, counted,
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
+	if (c->dry_run)
+		return;
 	if (cost < 0)
 		rl_deny_cache_forget(); /* the units are back now */
 	rl_deny_cache_store(key->data, key->len, limit, rl_server_generation(),

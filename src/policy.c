@@ -257,16 +257,23 @@ rl_rate_policy_arg(FunctionCallInfo fcinfo, int argno)
 	return policy;
 }
 
-/* rl_check(policy, identity, cost) and friends: one policy's decision. */
+/*
+ * rl_check(policy, identity, cost) and friends: one policy's decision. A
+ * dry run (rl_inspect) takes a rate policy or a concurrency one (cost
+ * slots), decides as a call would and writes nothing.
+ */
 static void
-rl_check_policy(FunctionCallInfo fcinfo, bool refund, RlDecision *d)
+rl_check_policy(FunctionCallInfo fcinfo, bool refund, bool dry_run,
+				RlDecision *d)
 {
-	RlPolicy	policy = rl_rate_policy_arg(fcinfo, 0);
+	RlPolicy	policy = dry_run ? rl_policy_arg(fcinfo, 0) : rl_rate_policy_arg(fcinfo, 0);
 	RlCharge	charge = {&policy.limit, policy.name};
-	RlRequest	req = {RL_DECIDE_ONE, &charge, 1, NULL, RL_BY_CALL, NULL};
+	RlRequest	req = {policy.concurrency ? RL_DECIDE_SLOT : RL_DECIDE_ONE,
+	&charge, 1, NULL, RL_BY_CALL, NULL};
 
 	charge.identity = rl_get_identity(fcinfo, 1);
 	charge.cost = rl_get_cost(fcinfo, 2, refund ? "amount" : "cost");
+	charge.dry_run = dry_run;
 	if (refund)
 		charge.cost = -charge.cost;
 	rl_decide(&req, d);
@@ -280,7 +287,7 @@ rl_check(PG_FUNCTION_ARGS)
 {
 	RlDecision	d;
 
-	rl_check_policy(fcinfo, false, &d);
+	rl_check_policy(fcinfo, false, false, &d);
 	return rl_result_datum(fcinfo, &d);
 }
 
@@ -292,8 +299,24 @@ rl_allow(PG_FUNCTION_ARGS)
 {
 	RlDecision	d;
 
-	rl_check_policy(fcinfo, false, &d);
+	rl_check_policy(fcinfo, false, false, &d);
 	PG_RETURN_BOOL(d.allowed);
+}
+
+PG_FUNCTION_INFO_V1(rl_inspect);
+
+/*
+ * rl_inspect(policy, identity, cost): what rl_check (or, for a concurrency
+ * policy, taking cost slots) would answer now, as rl_result; charges
+ * nothing and writes nothing.
+ */
+Datum
+rl_inspect(PG_FUNCTION_ARGS)
+{
+	RlDecision	d;
+
+	rl_check_policy(fcinfo, false, true, &d);
+	return rl_result_datum(fcinfo, &d);
 }
 
 PG_FUNCTION_INFO_V1(rl_refund);
@@ -304,7 +327,7 @@ rl_refund(PG_FUNCTION_ARGS)
 {
 	RlDecision	d;
 
-	rl_check_policy(fcinfo, true, &d);
+	rl_check_policy(fcinfo, true, false, &d);
 	return rl_result_datum(fcinfo, &d);
 }
 

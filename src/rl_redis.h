@@ -709,6 +709,8 @@ typedef struct RlCounters
 	int64		fallback_allow;
 	int64		fallback_deny;
 	int64		outages;		/* failures that began an outage */
+	int64		peeks;			/* answered calls of cost 0 and dry runs,
+								 * not in calls */
 	int64		rtt[RL_RTT_BUCKETS];
 	int64		rtt_sum_us;
 } RlCounters;
@@ -836,6 +838,8 @@ typedef struct RlCharge
 	const char *policy;			/* the limit's policy; NULL: explicit numbers */
 	text	   *identity;
 	int32		cost;			/* < 0 gives units back */
+	bool		dry_run;		/* decide (ONE, SLOT) and write nothing:
+								 * rl_inspect */
 	StringInfo	key;			/* filled in: the key (rl_build_key) */
 	int64		stamp_us;		/* filled in: the clock it was decided on */
 	int64		epoch;			/* filled in: the key's epoch */

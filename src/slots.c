@@ -199,7 +199,9 @@ rl_concurrency_subxact_end(SubXactEvent event)
 /*
  * Takes a slot of charge c's limit (lim slots, a lease of window_ms) for
  * its identity, on the key of its policy (NULL: the explicit limit's), and
- * fills d. For rl_decide, which has checked the charge.
+ * fills d. A dry run (c->dry_run) takes none: d says whether c->cost more
+ * slots fit now, and it is counted as a peek (see concurrency.lua). For
+ * rl_decide, which has checked the charge.
  */
 void
 rl_take_slot(const RlCharge *c, RlDecision *d)
@@ -212,9 +214,10 @@ rl_take_slot(const RlCharge *c, RlDecision *d)
 	char		token[64];
 	char		lim_s[16],
 				lease_s[24],
-				now_s[24];
-	const char *argv[8];
-	size_t		argvlen[8];
+				now_s[24],
+				cost_s[16];
+	const char *argv[9];
+	size_t		argvlen[9];
 	RlConn	   *conn;
 	redisReply *reply;
 	RlFailure	failure = {0};
@@ -240,25 +243,35 @@ rl_take_slot(const RlCharge *c, RlDecision *d)
 	argvlen[6] = strlen(token);
 	argv[7] = now_s;
 	argvlen[7] = rl_clock_arg(now_s);
+	argv[8] = cost_s;
+	argvlen[8] = c->dry_run ? pg_ltoa(c->cost, cost_s) : 0;
 
-	/* the slot as it will be held, kept aside while the call is in flight */
-	old = MemoryContextSwitchTo(TopMemoryContext);
-	slot = palloc(sizeof(RlSlot));
-	slot->key = pnstrdup(key->data, key->len);
-	slot->keylen = key->len;
-	initStringInfo(&owner);
-	rl_slot_owner(&owner, policy, identity);
-	slot->owner = owner.data;
-	slot->ownerlen = owner.len;
-	slot->nestlevel = GetCurrentTransactionNestLevel();
-	strlcpy(slot->token, token, sizeof(slot->token));
-	MemoryContextSwitchTo(old);
+	/*
+	 * The slot as it will be held, kept aside while the call is in flight
+	 * (a dry run holds none).
+	 */
 	if (asking != NULL)
 		rl_free_slot(asking);
-	asking = slot;
+	asking = NULL;
+	if (!c->dry_run)
+	{
+		old = MemoryContextSwitchTo(TopMemoryContext);
+		asking = palloc(sizeof(RlSlot));
+		asking->key = pnstrdup(key->data, key->len);
+		asking->keylen = key->len;
+		initStringInfo(&owner);
+		rl_slot_owner(&owner, policy, identity);
+		asking->owner = owner.data;
+		asking->ownerlen = owner.len;
+		asking->nestlevel = GetCurrentTransactionNestLevel();
+		strlcpy(asking->token, token, sizeof(asking->token));
+		MemoryContextSwitchTo(old);
+	}
+	slot = asking;
 	start = rl_stats ? GetCurrentTimestamp() : 0;
-	rl_context_push(&ctx, "concurrency acquire", NULL, key->data, key->len, 0);
-	reply = rl_call(key->data, key->len, &rl_script_concurrency, 8, argv,
+	rl_context_push(&ctx, c->dry_run ? "concurrency inspection" : "concurrency acquire",
+					NULL, key->data, key->len, 0);
+	reply = rl_call(key->data, key->len, &rl_script_concurrency, 9, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
@@ -266,15 +279,17 @@ rl_take_slot(const RlCharge *c, RlDecision *d)
 		/* Redis may have given the slot before the call failed: give it back */
 		rl_release_asking();
 		rl_stats_failed(key->data, key->len, &failure, true);
-		rl_apply_on_error(&failure, limit, 1, d);
+		rl_apply_on_error(&failure, limit, c->cost, d);
 		rl_context_pop(&ctx);
-		rl_stats_decided(key->data, key->len, d, 1, 0);
+		rl_stats_decided(key->data, key->len, d, c->dry_run ? 0 : 1, 0);
 		return;
 	}
 	rl_context_pop(&ctx);
 	asking = NULL;
-	rl_stats_decided(key->data, key->len, d, 1,
+	rl_stats_decided(key->data, key->len, d, c->dry_run ? 0 : 1,
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
+	if (c->dry_run)
+		return;
 	if (!d->allowed)
 	{
 		rl_free_slot(slot);

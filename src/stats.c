@@ -14,7 +14,8 @@
  * the algorithm (or "concurrency"), and its policy's name ("" for explicit
  * arguments). calls = allowed + denied + errors; an error that
  * rl_redis.on_error turned into a decision is also counted in
- * fallback_allow or fallback_deny.
+ * fallback_allow or fallback_deny. Peeks (calls of cost 0 and rl_inspect)
+ * that Redis answered are counted apart, in peeks, not in calls.
  */
 #include "postgres.h"
 
@@ -252,7 +253,8 @@ rl_rtt_bucket(int64 rtt_us)
  * Counts a call on key that Redis answered (d->from_redis) in rtt_us, or
  * that rl_redis.on_error decided after failure (counted by
  * rl_stats_failed): allowed or denied, the units taken (cost > 0, allowed)
- * or given back (cost < 0).
+ * or given back (cost < 0); an answered call of cost 0 (a peek, also a dry
+ * run's, whose callers pass 0) only as a peek.
  */
 void
 rl_stats_decided(const char *key, size_t len, const RlDecision *d,
@@ -271,6 +273,8 @@ rl_stats_decided(const char *key, size_t len, const RlDecision *d,
 		else
 			e->counters.fallback_deny++;
 	}
+	else if (cost == 0)
+		e->counters.peeks++;
 	else
 	{
 		e->counters.calls++;
@@ -345,7 +349,10 @@ PG_FUNCTION_INFO_V1(rl_redis_stats_rows);
 /*
  * rl_redis_stats_rows(): the rows of the rl_redis_stats view: every
  * database and policy of the server (shared memory), or of this backend
- * without preloading, and the bounds of the round-trip buckets.
+ * without preloading, and the bounds of the round-trip buckets. It serves
+ * the declaration of 1.5 and before (18 columns) and that of 1.6, which
+ * adds peeks, by the columns of the result type it is called with, so that
+ * a database not yet updated keeps working with this library.
  */
 Datum
 rl_redis_stats_rows(PG_FUNCTION_ARGS)
@@ -356,6 +363,8 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 	HTAB	   *rows = shared_rows ? shared_rows : local_rows;
 
 	InitMaterializedSRF(fcinfo, 0);
+	if (rsinfo->setDesc->natts != 18 && rsinfo->setDesc->natts != 19)
+		elog(ERROR, "rl_redis_stats_rows must return 18 or 19 columns");
 	if (rows == NULL)
 		return (Datum) 0;
 	if (shared_rows != NULL)
@@ -364,8 +373,8 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 	while ((e = hash_seq_search(&seq)) != NULL)
 	{
 		RlCounters	c;
-		Datum		values[18];
-		bool		nulls[18] = {0};
+		Datum		values[19];
+		bool		nulls[19] = {0};
 		Datum		buckets[RL_RTT_BUCKETS];
 		int			i = 0;
 		int			b;
@@ -398,6 +407,8 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 		values[i++] = PointerGetDatum(construct_array(buckets, RL_RTT_BUCKETS, INT8OID,
 													  8, FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
 		values[i++] = Float8GetDatum(c.rtt_sum_us / 1000.0);
+		if (rsinfo->setDesc->natts > i)
+			values[i++] = Int64GetDatum(c.peeks);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	if (shared_rows != NULL)
