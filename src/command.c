@@ -39,6 +39,24 @@ rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 }
 
 /*
+ * Returns reply, or raises when it is NULL (the failure) or an error reply
+ * (rl_error_reply, which frees it): the check of an administrative
+ * command's reply before its contents are read.
+ */
+redisReply *
+rl_reply_or_raise(RlConn *conn, redisReply *reply, RlFailure *failure)
+{
+	if (reply == NULL)
+		rl_raise(failure);
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_error_reply(conn, reply, failure);
+		rl_raise(failure);
+	}
+	return reply;
+}
+
+/*
  * Sends the work queued on the connections other than except (with a PING
  * after it, to read its replies): work that a transaction end could not
  * write, because that server had no open connection then, goes with the

@@ -155,13 +155,7 @@ rl_holders_command(StringInfo key, int argc, const char **argv,
 								&conn, &failure);
 	size_t		i;
 
-	if (reply == NULL)
-		rl_raise(&failure);
-	if (reply->type == REDIS_REPLY_ERROR)
-	{
-		rl_error_reply(conn, reply, &failure);
-		rl_raise(&failure);
-	}
+	rl_reply_or_raise(conn, reply, &failure);
 	if (reply->type != REDIS_REPLY_ARRAY || reply->elements % 2 != 0)
 		goto bad;
 	for (i = 0; i < reply->elements; i++)

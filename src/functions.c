@@ -129,13 +129,7 @@ rl_admin_command(RlConn *conn, int argc, const char **argv,
 	RlFailure	failure = {0};
 	redisReply *reply = rl_command(conn, argc, argv, argvlen, &failure);
 
-	if (reply == NULL)
-		rl_raise(&failure);
-	if (reply->type == REDIS_REPLY_ERROR)
-	{
-		rl_error_reply(conn, reply, &failure);
-		rl_raise(&failure);
-	}
+	rl_reply_or_raise(conn, reply, &failure);
 	freeReplyObject(reply);
 }
 
@@ -158,13 +152,7 @@ rl_reset_step(RlConn *conn, StringInfo pattern, StringInfo tag,
 	size_t	   *dellen;
 	size_t		i;
 
-	if (reply == NULL)
-		rl_raise(&failure);
-	if (reply->type == REDIS_REPLY_ERROR)
-	{
-		rl_error_reply(conn, reply, &failure);
-		rl_raise(&failure);
-	}
+	rl_reply_or_raise(conn, reply, &failure);
 	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
 		reply->element[0]->type != REDIS_REPLY_STRING ||
 		reply->element[0]->len >= cursorsize ||
@@ -416,13 +404,7 @@ rl_top_denied(PG_FUNCTION_ARGS)
 
 	InitMaterializedSRF(fcinfo, 0);
 	reply = rl_denials_top(policy.name, minutes, n, &conn, &failure);
-	if (reply == NULL)
-		rl_raise(&failure);
-	if (reply->type == REDIS_REPLY_ERROR)
-	{
-		rl_error_reply(conn, reply, &failure);
-		rl_raise(&failure);
-	}
+	rl_reply_or_raise(conn, reply, &failure);
 	PG_TRY();
 	{
 		size_t		i;

@@ -887,6 +887,8 @@ extern void rl_apply_on_error(const RlFailure *failure, const RlLimit *limit,
 							  int32 cost, RlDecision *d);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);
+extern redisReply *rl_reply_or_raise(RlConn *conn, redisReply *reply,
+									 RlFailure *failure);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
 
 /* named policies (policy.c) */
