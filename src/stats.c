@@ -251,8 +251,9 @@ rl_rtt_bucket(int64 rtt_us)
 /*
  * Counts a call on key that Redis answered (d->from_redis) in rtt_us, or
  * that rl_redis.on_error decided after failure (counted by
- * rl_stats_failed): allowed or denied, the units taken (cost > 0, allowed)
- * or given back (cost < 0).
+ * rl_stats_failed): allowed or denied, the units taken (cost > 0, allowed
+ * and not a shadow policy's denial) or given back (cost < 0), and whether
+ * a shadow policy would have denied it.
  */
 void
 rl_stats_decided(const char *key, size_t len, const RlDecision *d,
@@ -277,7 +278,7 @@ rl_stats_decided(const char *key, size_t len, const RlDecision *d,
 		if (d->allowed)
 		{
 			e->counters.allowed++;
-			if (cost > 0)
+			if (cost > 0 && !d->shadow_denied)
 				e->counters.units_taken += cost;
 		}
 		else
@@ -291,6 +292,8 @@ rl_stats_decided(const char *key, size_t len, const RlDecision *d,
 			e->counters.rtt_sum_us += rtt_us;
 		}
 	}
+	if (d->shadow_denied)
+		e->counters.shadow_denied++;
 	rl_stats_unlock(e);
 }
 
@@ -345,7 +348,10 @@ PG_FUNCTION_INFO_V1(rl_redis_stats_rows);
 /*
  * rl_redis_stats_rows(): the rows of the rl_redis_stats view: every
  * database and policy of the server (shared memory), or of this backend
- * without preloading, and the bounds of the round-trip buckets.
+ * without preloading, and the bounds of the round-trip buckets. The
+ * columns after the 18 of 1.4 are filled as far as the declared result
+ * has them, so that a schema not yet updated (ALTER EXTENSION UPDATE)
+ * keeps working with this library.
  */
 Datum
 rl_redis_stats_rows(PG_FUNCTION_ARGS)
@@ -356,6 +362,9 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 	HTAB	   *rows = shared_rows ? shared_rows : local_rows;
 
 	InitMaterializedSRF(fcinfo, 0);
+	/* 1.4's 18 columns, and 1.6's shadow_denied */
+	if (rsinfo->setDesc->natts != 18 && rsinfo->setDesc->natts != 19)
+		elog(ERROR, "rl_redis_stats_rows must return 18 or 19 columns");
 	if (rows == NULL)
 		return (Datum) 0;
 	if (shared_rows != NULL)
@@ -364,8 +373,8 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 	while ((e = hash_seq_search(&seq)) != NULL)
 	{
 		RlCounters	c;
-		Datum		values[18];
-		bool		nulls[18] = {0};
+		Datum		values[19];
+		bool		nulls[19] = {0};
 		Datum		buckets[RL_RTT_BUCKETS];
 		int			i = 0;
 		int			b;
@@ -398,6 +407,9 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 		values[i++] = PointerGetDatum(construct_array(buckets, RL_RTT_BUCKETS, INT8OID,
 													  8, FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
 		values[i++] = Float8GetDatum(c.rtt_sum_us / 1000.0);
+		/* 1.6 */
+		values[i++] = Int64GetDatum(c.shadow_denied);
+		Assert(i == lengthof(values));
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	if (shared_rows != NULL)
