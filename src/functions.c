@@ -28,6 +28,7 @@ rl_limit_args(FunctionCallInfo fcinfo, int algorithm, RlLimit *limit)
 	limit->lim = PG_GETARG_INT32(1);
 	limit->window_ms = PG_GETARG_INT64(2);
 	limit->burst = 0;
+	limit->shadow = false;		/* only a policy is ever shadow */
 	/* burst: NULL means the same as lim */
 	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
 	{
