@@ -3,12 +3,16 @@
 -- KEYS[i]  the key of limit i
 -- ARGV     now_us ('' for Redis TIME), refund scopes ('' for none), then for
 --          each limit: algorithm, lim, window_ms, burst (0: none), cost
---          (< 0: give back)
--- Returns the most restrictive limit's {allowed, lim, remaining, reset_ms,
--- retry_after_ms} followed by its index (1-based), then the clock each
--- limit was decided on (µs), one per key, then each key's epoch (see
--- run_one.lua). The most restrictive is a denied one with the longest wait
--- (-1 counts longest), else the one with the fewest units left.
+--          (< 0: give back), shadow ('1': a shadow policy's, '0')
+-- A shadow limit that denies stops nothing and is not applied (a denial
+-- takes nothing); the others are applied when none of them denies.
+-- Returns the most restrictive limit's {lim, remaining, reset_ms,
+-- retry_after_ms} after allowed (1 when the call is applied), followed by
+-- its index (1-based), then the clock each limit was decided on (µs), one
+-- per key, then each key's epoch (see run_one.lua), then each limit's own
+-- verdict (1 allowed, 0 denied). The most restrictive is a denied one with
+-- the longest wait (-1 counts longest), else the one with the fewest units
+-- left.
 
 -- True when result a is more restrictive than result b.
 local function tighter(a, b)
@@ -28,15 +32,18 @@ local results = {}
 local all_allowed = true
 local worst, worst_index = nil, 0
 for i = 1, #KEYS do
-  local b = 2 + (i - 1) * 5
+  local b = 2 + (i - 1) * 6
   local p = {lim = tonumber(ARGV[b + 2]), window_ms = tonumber(ARGV[b + 3]),
              burst = tonumber(ARGV[b + 4])}
   p.cap = p.burst > 0 and p.burst or p.lim
   local result, commit = ALG[ARGV[b + 1]].decide(KEYS[i], p,
     tonumber(ARGV[b + 5]), now, scopes)
   from_clock(result, now)
-  if result[1] == 0 then all_allowed = false end
-  if commit then commits[#commits + 1] = commit end
+  local shadow = ARGV[b + 6] == '1'
+  if result[1] == 0 and not shadow then all_allowed = false end
+  if commit and (result[1] == 1 or not shadow) then
+    commits[#commits + 1] = commit
+  end
   results[i] = result
   if worst == nil or tighter(result, worst) then
     worst, worst_index = result, i
@@ -45,9 +52,11 @@ end
 if all_allowed then
   for _, commit in ipairs(commits) do commit() end
 end
-local reply = {worst[1], worst[2], worst[3], worst[4], worst[5], worst_index}
+local reply = {all_allowed and 1 or 0, worst[2], worst[3], worst[4], worst[5],
+  worst_index}
 for i = 1, #KEYS do
   reply[6 + i] = results[i][6]
   reply[6 + #KEYS + i] = results[i][7]
+  reply[6 + 2 * #KEYS + i] = results[i][1]
 end
 return reply

@@ -381,9 +381,12 @@ AS 'MODULE_PATHNAME', 'rl_concurrency_holders'
 LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 REVOKE ALL ON FUNCTION @extschema@.rl_concurrency_holders(text, text) FROM PUBLIC;
 
--- peeks (calls of cost 0 and rl_inspect) are counted apart: a column at the
--- end of rl_redis_stats_rows and of the view, and a metric; the view and
--- rl_redis_metrics are made again over the new function, with their grants
+-- peeks (calls of cost 0 and rl_inspect) are counted apart, and so are the
+-- calls a shadow policy would have denied (below): two columns at the end of
+-- rl_redis_stats_rows and of the view, and two metrics; the view and
+-- rl_redis_metrics are made again over the new function, with their grants.
+-- The histogram's count is the sum of its buckets (a denial the deny cache
+-- answered made no round trip: 1.5 counted it in the count, not in a bucket)
 DROP FUNCTION @extschema@.rl_redis_metrics();
 DROP VIEW @extschema@.rl_redis_stats;
 DROP FUNCTION @extschema@.rl_redis_stats_rows();
@@ -396,7 +399,7 @@ CREATE FUNCTION @extschema@.rl_redis_stats_rows(
     OUT errors_reply bigint, OUT errors_protocol bigint,
     OUT fallback_allow bigint, OUT fallback_deny bigint, OUT outages bigint,
     OUT rtt_buckets bigint[], OUT rtt_sum_ms double precision,
-    OUT peeks bigint)
+    OUT peeks bigint, OUT shadow_denied bigint)
 RETURNS SETOF record
 AS 'MODULE_PATHNAME', 'rl_redis_stats_rows'
 LANGUAGE C VOLATILE PARALLEL RESTRICTED;
@@ -408,7 +411,7 @@ SELECT d.datname AS dbname, s.policy, s.algorithm,
        s.errors_protocol, s.fallback_allow, s.fallback_deny, s.outages,
        s.rtt_buckets, s.rtt_sum_ms,
        @extschema@.rl_redis_stats_scope() AS scope,
-       s.peeks
+       s.peeks, s.shadow_denied
   FROM @extschema@.rl_redis_stats_rows() s
   LEFT JOIN pg_catalog.pg_database d ON d.oid = s.dbid;
 
@@ -436,7 +439,8 @@ BEGIN ATOMIC
            ('fallback_allow', 'Failed calls that rl_redis.on_error allowed.', 7),
            ('fallback_deny', 'Failed calls that rl_redis.on_error denied.', 8),
            ('outages', 'Failures that began an outage (the circuit breaker opened).', 9),
-           ('peeks', 'Peeks Redis answered (rl_inspect, cost 0), not in calls.', 12)
+           ('peeks', 'Peeks Redis answered (rl_inspect, cost 0), not in calls.', 12),
+           ('shadow_denied', 'Calls a shadow policy would have denied (it allowed them).', 13)
   ), lines(ord, grp, sub, line) AS (
     SELECT c.ord, '', 0, '# HELP rl_redis_' || c.metric || '_total ' || c.help || E'\n'
            || '# TYPE rl_redis_' || c.metric || '_total counter'
@@ -448,7 +452,8 @@ BEGIN ATOMIC
                             WHEN 'units_refunded' THEN r.units_refunded WHEN 'errors' THEN r.errors
                             WHEN 'fallback_allow' THEN r.fallback_allow
                             WHEN 'fallback_deny' THEN r.fallback_deny
-                            WHEN 'peeks' THEN r.peeks ELSE r.outages END
+                            WHEN 'peeks' THEN r.peeks
+                            WHEN 'shadow_denied' THEN r.shadow_denied ELSE r.outages END
       FROM counters c, rows r
     UNION ALL
     SELECT 10, '', 0, E'# HELP rl_redis_errors_by_kind_total Calls that got no decision, by kind of failure.\n'
@@ -471,7 +476,7 @@ BEGIN ATOMIC
       FROM rows r
     UNION ALL
     SELECT 11, r.labels, 101, 'rl_redis_rtt_seconds_count' || r.labels || '} '
-           || (r.allowed + r.denied)
+           || (SELECT coalesce(sum(x), 0) FROM unnest(r.rtt_buckets) x)
       FROM rows r
   )
   SELECT coalesce(string_agg(line, E'\n' ORDER BY ord, grp, sub), '') || E'\n'
@@ -484,6 +489,63 @@ REVOKE ALL ON @extschema@.rl_redis_stats FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.rl_redis_stats_rows() TO pg_read_all_stats;
 GRANT EXECUTE ON FUNCTION @extschema@.rl_redis_metrics() TO pg_read_all_stats;
 GRANT SELECT ON @extschema@.rl_redis_stats TO pg_read_all_stats;
+
+-- Shadow policies (issue 21, item 2): rl_policy.mode 'shadow' decides and
+-- charges in Redis as 'enforce' does, but allows every call; what it would
+-- have denied is counted in shadow_denied (rl_redis_stats,
+-- rl_redis_shadow_denied_total) and, with rl_redis.track_denials, in
+-- rl_top_denied (the statistics' column and metric are made above).
+ALTER TABLE @extschema@.rl_policy
+    ADD COLUMN mode text NOT NULL DEFAULT 'enforce'
+    CONSTRAINT rl_policy_mode_known CHECK (mode IN ('enforce', 'shadow'));
+
+-- rl_headers: Retry-After follows retry_after_ms > 0 also when the result
+-- is allowed (a shadow policy's would-be denial), so that the headers say
+-- what enforcing would say; a denial's 0 still gives Retry-After: 0.
+CREATE OR REPLACE FUNCTION @extschema@.rl_headers(r @extschema@.rl_result, policy text DEFAULT NULL)
+RETURNS json
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    item text;
+    quota integer;
+    window_s bigint;
+    reset_s bigint;
+    headers json[] := '{}';
+BEGIN
+    IF r IS NULL OR r.allowed IS NULL THEN
+        RAISE EXCEPTION 'r must not be null' USING ERRCODE = '22004';
+    END IF;
+    IF policy ~ E'[^\\x20-\\x7E]' THEN
+        RAISE EXCEPTION 'policy name must be printable ASCII'
+            USING ERRCODE = '22023',
+                  DETAIL = 'The RateLimit headers carry it as an RFC 8941 string: characters 0x20 to 0x7E only.';
+    END IF;
+    -- E'' strings: the same whatever standard_conforming_strings says
+    item := '"' || replace(replace(coalesce(policy, 'default'), E'\\', E'\\\\'), '"', E'\\"') || '"';
+    reset_s := ceil(r.reset_ms / 1000.0);
+    IF policy IS NOT NULL THEN
+        SELECT p.lim, ceil(p.window_ms / 1000.0) INTO quota, window_s
+          FROM @extschema@.rl_policy p
+         WHERE p.name = policy AND p.algorithm <> 'concurrency';
+        IF FOUND THEN
+            headers := headers || json_build_object('RateLimit-Policy',
+                format('%s;q=%s;w=%s', item, quota, window_s));
+        END IF;
+    END IF;
+    headers := headers
+        || json_build_object('RateLimit', format('%s;r=%s;t=%s', item, r.remaining, reset_s))
+        || json_build_object('X-RateLimit-Limit', r.lim::text)
+        || json_build_object('X-RateLimit-Remaining', r.remaining::text)
+        || json_build_object('X-RateLimit-Reset', reset_s::text);
+    IF r.retry_after_ms > 0 OR (NOT r.allowed AND r.retry_after_ms = 0) THEN
+        headers := headers || json_build_object('Retry-After',
+            ceil(r.retry_after_ms / 1000.0)::bigint::text);
+    END IF;
+    RETURN array_to_json(headers);
+END
+$$;
 
 -- Descriptions and named constraints (issue 21): every object says what it
 -- does and who may call it (\df+ rl_*, \dT+, \dv+, \dd rl_policy*), and
@@ -623,6 +685,8 @@ COMMENT ON CONSTRAINT rl_policy_window_ms_max ON @extschema@.rl_policy IS
     'window_ms is at most 3153600000000 (100 years).';
 COMMENT ON CONSTRAINT rl_policy_burst_positive ON @extschema@.rl_policy IS
     'A burst, when given, is greater than zero.';
+COMMENT ON CONSTRAINT rl_policy_mode_known ON @extschema@.rl_policy IS
+    'A policy enforces (enforce, the default) or only counts what it would deny (shadow).';
 COMMENT ON CONSTRAINT rl_policy_burst_only_for_buckets ON @extschema@.rl_policy IS
     'Only token_bucket and gcra policies take a burst; the others leave it NULL.';
 COMMENT ON CONSTRAINT rl_policy_burst_refill_max ON @extschema@.rl_policy IS

@@ -266,7 +266,7 @@ def test_stats_serve_the_1_5_declaration_until_the_update(pg, policies):
             assert len(cur.description) == 19 and cur.fetchall()[0][3] == 0
             conn.execute("ALTER EXTENSION rl_redis UPDATE")
             cur = conn.execute(query)
-            assert [c.name for c in cur.description][-2:] == ["scope", "peeks"]
-            assert cur.fetchall()[0][-1] == 1
+            assert [c.name for c in cur.description][-2:] == ["peeks", "shadow_denied"]
+            assert cur.fetchall()[0][-2] == 1
     finally:
         pg.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(db)))

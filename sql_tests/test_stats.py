@@ -160,6 +160,7 @@ def test_version_and_objects(pg):
         "units_taken", "units_refunded", "errors", "errors_connection",
         "errors_timeout", "errors_reply", "errors_protocol", "fallback_allow",
         "fallback_deny", "outages", "rtt_buckets", "rtt_sum_ms", "scope", "peeks",
+        "shadow_denied",
     ]
     bounds = pg.execute("SELECT rl_redis_rtt_bounds()").fetchone()[0]
     assert len(bounds) == RTT_BUCKETS

@@ -52,6 +52,23 @@ rl_apply_on_error(const RlFailure *failure, const RlLimit *limit, int32 cost,
 		rl_report(WARNING, failure, outcome);
 		pfree(outcome);
 	}
+	rl_shadow_allow(limit, d);
+}
+
+/*
+ * Applies the mode of d's limit: when it is a shadow policy's and d denies,
+ * d becomes allowed with shadow_denied set, its numbers (remaining,
+ * reset_ms, retry_after_ms) those enforcing gives; nothing was taken, as a
+ * denial writes nothing. Every decision of one limit passes here (its
+ * reply, its on_error decision); several limits' are decided in
+ * run_all.lua, which knows which are shadow.
+ */
+void
+rl_shadow_allow(const RlLimit *limit, RlDecision *d)
+{
+	d->shadow_denied = limit->shadow && !d->allowed;
+	if (d->shadow_denied)
+		d->allowed = true;
 }
 
 /*
@@ -72,16 +89,18 @@ rl_unexpected_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 /*
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not the integers the scripts return: the
- * decision, its clock and the key's epoch, or, with charges (a
- * several-limits call of n charges), the most restrictive decision, its
- * index (stored in *index, 0-based), and the clock and epoch of every
- * charge (stored in charges[i]).
+ * decision of limit (rl_shadow_allow applies its mode), its clock and the
+ * key's epoch, or, with charges (a several-limits call of n charges; limit
+ * NULL), the most restrictive decision, its index (stored in *index,
+ * 0-based), and the clock, epoch and own verdict of every charge (stored
+ * in charges[i]: shadow_denied when its shadow policy would deny).
  */
 bool
-rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
-				  RlCharge *charges, int n, int *index, RlFailure *failure)
+rl_parse_decision(RlConn *conn, redisReply *reply, const RlLimit *limit,
+				  RlDecision *d, RlCharge *charges, int n, int *index,
+				  RlFailure *failure)
 {
-	size_t		expected = charges ? 6 + 2 * n : 7;
+	size_t		expected = charges ? 6 + 3 * n : 7;
 	size_t		i;
 
 	if (reply->type == REDIS_REPLY_ERROR)
@@ -99,6 +118,10 @@ rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 		goto bad;
 	if (charges && (reply->element[5]->integer < 1 || reply->element[5]->integer > n))
 		goto bad;
+	for (i = 0; charges && i < (size_t) n; i++)
+		if (reply->element[6 + 2 * n + i]->integer != 0 &&
+			reply->element[6 + 2 * n + i]->integer != 1)
+			goto bad;
 
 	d->allowed = reply->element[0]->integer != 0;
 	d->from_redis = true;
@@ -114,14 +137,18 @@ rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
 		{
 			charges[i].stamp_us = reply->element[6 + i]->integer;
 			charges[i].epoch = reply->element[6 + n + i]->integer;
+			charges[i].shadow_denied = charges[i].limit->shadow &&
+				reply->element[6 + 2 * n + i]->integer == 0;
 		}
 		d->stamp_us = charges[*index].stamp_us;
 		d->epoch = charges[*index].epoch;
+		d->shadow_denied = d->allowed && charges[*index].shadow_denied;
 	}
 	else
 	{
 		d->stamp_us = reply->element[5]->integer;
 		d->epoch = reply->element[6]->integer;
+		rl_shadow_allow(limit, d);
 	}
 	freeReplyObject(reply);
 	return true;

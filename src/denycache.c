@@ -203,7 +203,8 @@ rl_denials(void)
  * would be denied because a denial is remembered: fills d with that
  * denial, its times counted down to now, and returns true. A cost above
  * what the limit holds at once is left to Redis, which says it can never
- * pass (retry_after_ms -1).
+ * pass (retry_after_ms -1), and so is every call of a shadow policy, which
+ * a remembered denial must never deny.
  */
 bool
 rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
@@ -216,7 +217,7 @@ rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
 	RlDenial   *e;
 	int64		now;
 
-	if (table == NULL || cost <= 0 ||
+	if (table == NULL || cost <= 0 || limit->shadow ||
 		cost > (limit->burst > 0 ? limit->burst : limit->lim))
 		return false;
 	namelen = rl_denial_name(name, key, len, limit, server);
@@ -239,6 +240,7 @@ rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
 	d->allowed = false;
 	d->from_redis = true;
 	d->from_cache = true;
+	d->shadow_denied = false;
 	d->lim = e->lim;
 	d->remaining = e->remaining;
 	d->reset_ms = e->reset_at_ms > 0 ? Max(e->reset_at_ms - now, 1) : 0;

@@ -233,7 +233,7 @@ rl_check_limit(const RlLimit *limit)
 static void
 rl_group_call(RlCharge *charges, int n, const char *scopes, RlCall *call)
 {
-	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 2 + 5 * n;
+	int			argc = RL_SCRIPT_ARGV_RESERVED + 1 + n + 2 + 6 * n;
 	const char **argv = palloc(sizeof(char *) * argc);
 	size_t	   *argvlen = palloc(sizeof(size_t) * argc);
 	char	   *numbers = palloc(n * 4 * 24 + 48);
@@ -272,6 +272,8 @@ rl_group_call(RlCharge *charges, int n, const char *scopes, RlCall *call)
 		argv[i] = num;
 		argvlen[i++] = pg_ltoa(charges[j].cost, num);
 		num += 24;
+		argv[i] = limit->shadow ? "1" : "0";
+		argvlen[i++] = 1;
 	}
 	Assert(i == argc);
 	memset(call, 0, sizeof(RlCall));
@@ -298,7 +300,7 @@ rl_group_result(RlCall *call, RlCharge *charges, int n, int64 rtt_us,
 
 	*failure = call->failure;
 	ok = call->reply != NULL &&
-		rl_parse_decision(call->conn, call->reply, d, charges, n, index,
+		rl_parse_decision(call->conn, call->reply, NULL, d, charges, n, index,
 						  failure);
 	call->reply = NULL;
 	pfree(call->argv);
@@ -306,8 +308,14 @@ rl_group_result(RlCall *call, RlCharge *charges, int n, int64 rtt_us,
 	for (j = 0; j < n; j++)
 	{
 		if (ok)
-			rl_stats_decided(charges[j].key->data, charges[j].key->len, d,
+		{
+			/* the call's decision, with this charge's own shadow verdict */
+			RlDecision	cd = *d;
+
+			cd.shadow_denied = charges[j].shadow_denied;
+			rl_stats_decided(charges[j].key->data, charges[j].key->len, &cd,
 							 charges[j].cost, rtt_us);
+		}
 		else
 		{
 			/* one outage is counted once, on the first key */
@@ -341,14 +349,18 @@ rl_decide_group(RlCharge *charges, int n, const char *scopes, RlDecision *d,
 						   d, index, failure);
 }
 
-/* Remembers n allowed charges for a refund on abort (by: who made them). */
+/*
+ * Remembers n allowed charges for a refund on abort (by: who made them);
+ * a shadow policy's that would deny took nothing.
+ */
 static void
 rl_remember_charges(RlCharge *charges, int n, RlChargeBy by)
 {
 	int			j;
 
 	for (j = 0; j < n; j++)
-		rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
+		if (!charges[j].shadow_denied)
+			rl_remember_charge(charges[j].limit, charges[j].key, charges[j].cost,
 						   charges[j].stamp_us, charges[j].epoch, by);
 }
 
@@ -444,6 +456,7 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
 		{
 			sp->charges[sp->order[sp->first[g] + k].index].stamp_us = gc[k].stamp_us;
 			sp->charges[sp->order[sp->first[g] + k].index].epoch = gc[k].epoch;
+			sp->charges[sp->order[sp->first[g] + k].index].shadow_denied = gc[k].shadow_denied;
 		}
 		if (!found || rl_tighter(&gd, d))
 		{
@@ -457,8 +470,12 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
 		if (sp->covered)
 			rl_remember_charges(gc, sp->size[g], sp->by);
 		else
-			memcpy(decided + ndecided, gc, sizeof(RlCharge) * sp->size[g]);
-		ndecided += sp->size[g];
+		{
+			/* a shadow policy's that would deny took nothing */
+			for (k = 0; k < sp->size[g]; k++)
+				if (!gc[k].shadow_denied)
+					decided[ndecided++] = gc[k];
+		}
 	}
 	for (k = 0; k < sp->first[sp->ncalls - 1] + sp->size[sp->ncalls - 1]; k++)
 		if (sp->group[k].failed)
@@ -500,7 +517,10 @@ rl_decide_charges(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 	int			j;
 
 	for (j = 0; j < n; j++)
+	{
 		charges[j].failed = false;
+		charges[j].shadow_denied = false;
+	}
 	for (j = 1; j < n; j++)
 		if (rl_route_hash_slot(charges[j].key->data, charges[j].key->len) !=
 			rl_route_hash_slot(charges[0].key->data, charges[0].key->len))
@@ -608,8 +628,8 @@ rl_count_fallback(RlCharge *charges, int n, const RlDecision *d)
 
 /*
  * Decides n charges as rl_decide_charges does. When Redis gives no
- * decision, rl_redis.on_error decides d (as for the first charge), and
- * *index is 0.
+ * decision, rl_redis.on_error decides d (as for the first charge, shadow
+ * when every charge's policy is), and *index is 0.
  */
 static void
 rl_decide_all(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
@@ -617,12 +637,17 @@ rl_decide_all(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 {
 	RlFailure	failure = {0};
 	RlCallContext ctx;
+	RlLimit		fallback = *charges[0].limit;
+	int			j;
+
+	for (j = 1; j < n; j++)
+		fallback.shadow = fallback.shadow && charges[j].limit->shadow;
 
 	rl_context_push(&ctx, "decision", charges[0].limit->algorithm->name,
 					charges[0].key->data, charges[0].key->len, n - 1);
 	if (!rl_decide_charges(charges, n, by, d, index, &failure))
 	{
-		rl_apply_on_error(&failure, charges[0].limit, charges[0].cost, d);
+		rl_apply_on_error(&failure, &fallback, charges[0].cost, d);
 		rl_count_fallback(charges, n, d);
 		*index = 0;
 	}
@@ -699,7 +724,7 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 	reply = rl_call(key->data, key->len, &limit->algorithm->script, 12, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
-		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
+		!rl_parse_decision(conn, reply, limit, d, NULL, 0, NULL, &failure))
 	{
 		rl_stats_failed(key->data, key->len, &failure, true);
 		rl_apply_on_error(&failure, limit, cost, d);
@@ -716,9 +741,10 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 		rl_deny_cache_forget(); /* the units are back now */
 	rl_deny_cache_store(key->data, key->len, limit, rl_server_generation(),
 						cost, d, sent_ms, mark);
-	if (d->allowed && cost > 0)
+	/* a shadow policy's denial took nothing, and counts as a denial */
+	if (d->allowed && !d->shadow_denied && cost > 0)
 		rl_remember_charge(limit, key, cost, d->stamp_us, d->epoch, by);
-	else if (!d->allowed && cost > 0 && c->policy != NULL && rl_track_denials)
+	else if (cost > 0 && c->policy != NULL && rl_track_denials)
 		rl_note_denial(c->policy, c->identity);
 }
 
@@ -902,15 +928,17 @@ rl_batch_results(RlBatch *b, int from, int n, int64 rtt, bool interrupted)
 				b->bad[k->index] = true;
 			if (b->bad[k->index])
 				continue;
+			rl_shadow_allow(b->limit, r);
 			rl_stats_decided(kd, kl, r, b->cost, rtt);
-			if (r->allowed && b->cost > 0)
+			/* a shadow policy's denial took nothing, and counts as a denial */
+			if (r->allowed && !r->shadow_denied && b->cost > 0)
 			{
 				StringInfoData key = rl_key_info(kd, kl);
 
 				rl_remember_charge(b->limit, &key, b->cost, r->stamp_us,
 								   r->epoch, RL_BY_CALL);
 			}
-			else if (!r->allowed && b->cost > 0 && b->denied != NULL)
+			else if (b->cost > 0 && b->denied != NULL)
 				b->denied[b->ndenied++] = b->identities[k->index];
 		}
 	}

@@ -29,6 +29,7 @@ rl_limit_args(FunctionCallInfo fcinfo, int algorithm, RlLimit *limit)
 	limit->lim = PG_GETARG_INT32(1);
 	limit->window_ms = rl_get_window_ms(fcinfo, 2, "window_ms");
 	limit->burst = 0;
+	limit->shadow = false;		/* only a policy is ever shadow */
 	/* burst: NULL means the same as lim */
 	if (PG_NARGS() > 4 && !PG_ARGISNULL(4))
 	{

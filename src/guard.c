@@ -136,6 +136,7 @@ rl_parse_limit_spec(const char *arg, RlLimit *limit)
 		limit->lim = (int32) lim;
 		limit->window_ms = window;
 		limit->burst = (int32) burst;
+		limit->shadow = false;	/* only a policy is ever shadow */
 		return true;
 	}
 	return false;

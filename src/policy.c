@@ -39,6 +39,7 @@ static bool policy_cache_stale = true;
 static uint64 policy_generation = 0;	/* counts invalidations */
 static Oid	policy_schema = InvalidOid;
 static Oid	policy_relid = InvalidOid;
+static bool policy_has_mode = false;	/* rl_policy.mode exists (1.6) */
 
 /* Marks the cache stale when rl_policy (or every relation) is invalidated. */
 static void
@@ -79,6 +80,8 @@ rl_policy_refresh(FunctionCallInfo fcinfo)
 							   HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
 	policy_schema = get_func_namespace(fcinfo->flinfo->fn_oid);
 	policy_relid = get_relname_relid("rl_policy", policy_schema);
+	policy_has_mode = OidIsValid(policy_relid) &&
+		get_attnum(policy_relid, "mode") != InvalidAttrNumber;
 	policy_cache_stale = false;
 }
 
@@ -112,7 +115,8 @@ rl_find_algorithm(const char *name)
 
 /*
  * Reads the policy named key from rl_policy into found with a fresh
- * snapshot; false when there is no such row.
+ * snapshot; false when there is no such row. A schema of 1.5, not yet
+ * updated, has no mode column: its policies enforce.
  */
 static bool
 rl_policy_read(text *name, const char *key, RlPolicy *found)
@@ -128,7 +132,9 @@ rl_policy_read(text *name, const char *key, RlPolicy *found)
 
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
-	plan = SPI_prepare(psprintf("SELECT algorithm, lim, window_ms, burst FROM %s WHERE name OPERATOR(pg_catalog.=) $1",
+	plan = SPI_prepare(psprintf("SELECT algorithm, lim, window_ms, burst, %s FROM %s WHERE name OPERATOR(pg_catalog.=) $1",
+								policy_has_mode ?
+								"mode OPERATOR(pg_catalog.=) 'shadow'" : "false",
 								rl_policy_table()),
 					   1, argtypes);
 	if (plan == NULL)
@@ -157,6 +163,7 @@ rl_policy_read(text *name, const char *key, RlPolicy *found)
 	found->limit.burst = DatumGetInt32(SPI_getbinval(tuple, tupdesc, 4, &isnull));
 	if (isnull)
 		found->limit.burst = 0;
+	found->limit.shadow = DatumGetBool(SPI_getbinval(tuple, tupdesc, 5, &isnull));
 	SPI_finish();
 	return true;
 }

@@ -686,6 +686,8 @@ typedef struct RlDecision
 	int64		epoch;			/* the key's epoch (fixed, sliding_counter) */
 	bool		from_redis;		/* false: rl_redis.on_error decided */
 	bool		from_cache;		/* a denial the local cache remembered */
+	bool		shadow_denied;	/* a shadow policy would deny it: allowed, and
+								 * nothing taken (rl_shadow_allow) */
 } RlDecision;
 
 /* statistics (stats.c) */
@@ -713,6 +715,7 @@ typedef struct RlCounters
 								 * not in calls */
 	int64		rtt[RL_RTT_BUCKETS];
 	int64		rtt_sum_us;
+	int64		shadow_denied;	/* calls a shadow policy would have denied */
 } RlCounters;
 
 extern void rl_stats_init(void);
@@ -786,6 +789,8 @@ struct RlLimit
 	int32		lim;
 	int64		window_ms;
 	int32		burst;			/* 0 when none */
+	bool		shadow;			/* a shadow policy's: its denials are allowed
+								 * (rl_shadow_allow) */
 };
 
 /* Who made a charge, for rl_redis.refund_on_abort. */
@@ -844,6 +849,7 @@ typedef struct RlCharge
 	int64		stamp_us;		/* filled in: the clock it was decided on */
 	int64		epoch;			/* filled in: the key's epoch */
 	bool		failed;			/* filled in: Redis gave it no decision */
+	bool		shadow_denied;	/* filled in: its shadow policy would deny it */
 } RlCharge;
 
 /* How rl_decide decides the charges of a request. */
@@ -878,13 +884,15 @@ typedef struct RlRequest
 extern int	rl_decide(const RlRequest *req, RlDecision *d);
 
 /* a script's decision reply and on_error (decision.c) */
-extern bool rl_parse_decision(RlConn *conn, redisReply *reply, RlDecision *d,
+extern bool rl_parse_decision(RlConn *conn, redisReply *reply,
+							  const RlLimit *limit, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
 							  RlFailure *failure);
 extern bool rl_unexpected_reply(RlConn *conn, redisReply *reply,
 								RlFailure *failure);
 extern void rl_apply_on_error(const RlFailure *failure, const RlLimit *limit,
 							  int32 cost, RlDecision *d);
+extern void rl_shadow_allow(const RlLimit *limit, RlDecision *d);
 extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);
 extern redisReply *rl_reply_or_raise(RlConn *conn, redisReply *reply,

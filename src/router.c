@@ -34,10 +34,12 @@
 
 /*
  * The most keys of a several-limits call sent through the shared queue:
- * its reply of (6 + 2 * keys) numbers fits RL_SHARED_REPLY_MAX.
+ * its reply of (6 + 2 * keys) numbers (23 bytes at most each) and a
+ * verdict per key (0 or 1: 4 bytes) fits RL_SHARED_REPLY_MAX.
  */
 #define RL_SHARED_MANY_KEYS 64
-StaticAssertDecl((6 + 2 * RL_SHARED_MANY_KEYS) * 23 + 16 <= RL_SHARED_REPLY_MAX,
+StaticAssertDecl((6 + 2 * RL_SHARED_MANY_KEYS) * 23 + 4 * RL_SHARED_MANY_KEYS + 16 <=
+				 RL_SHARED_REPLY_MAX,
 				 "the reply of a several-limits call fits the shared queue");
 
 /* the longest pause between two tries after TRYAGAIN or CLUSTERDOWN */
@@ -197,7 +199,7 @@ rl_pause(long ms)
  * learn once the call has run: the scripts of one decision, of a
  * concurrency slot and of a denial count, and the several-limits script of
  * at most RL_SHARED_MANY_KEYS keys (6 + 2 numbers per key, 23 bytes at
- * most each). The others (a statement guard over many keys,
+ * most each, and a verdict per key). The others (a statement guard over many keys,
  * rl_top_denied) go on the session's own connection.
  */
 static bool

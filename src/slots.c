@@ -274,7 +274,7 @@ rl_take_slot(const RlCharge *c, RlDecision *d)
 	reply = rl_call(key->data, key->len, &rl_script_concurrency, 9, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
-		!rl_parse_decision(conn, reply, d, NULL, 0, NULL, &failure))
+		!rl_parse_decision(conn, reply, limit, d, NULL, 0, NULL, &failure))
 	{
 		/* Redis may have given the slot before the call failed: give it back */
 		rl_release_asking();
@@ -290,7 +290,8 @@ rl_take_slot(const RlCharge *c, RlDecision *d)
 					 rl_stats ? GetCurrentTimestamp() - start : 0);
 	if (c->dry_run)
 		return;
-	if (!d->allowed)
+	/* a shadow policy's denial holds no slot, and counts as a denial */
+	if (!d->allowed || d->shadow_denied)
 	{
 		rl_free_slot(slot);
 		if (policy != NULL && rl_track_denials)

@@ -252,9 +252,10 @@ rl_rtt_bucket(int64 rtt_us)
 /*
  * Counts a call on key that Redis answered (d->from_redis) in rtt_us, or
  * that rl_redis.on_error decided after failure (counted by
- * rl_stats_failed): allowed or denied, the units taken (cost > 0, allowed)
- * or given back (cost < 0); an answered call of cost 0 (a peek, also a dry
- * run's, whose callers pass 0) only as a peek.
+ * rl_stats_failed): allowed or denied, the units taken (cost > 0, allowed
+ * and not a shadow policy's denial) or given back (cost < 0), and whether
+ * a shadow policy would have denied it; an answered call of cost 0 (a peek,
+ * also a dry run's, whose callers pass 0) only as a peek.
  */
 void
 rl_stats_decided(const char *key, size_t len, const RlDecision *d,
@@ -281,7 +282,7 @@ rl_stats_decided(const char *key, size_t len, const RlDecision *d,
 		if (d->allowed)
 		{
 			e->counters.allowed++;
-			if (cost > 0)
+			if (cost > 0 && !d->shadow_denied)
 				e->counters.units_taken += cost;
 		}
 		else
@@ -295,6 +296,9 @@ rl_stats_decided(const char *key, size_t len, const RlDecision *d,
 			e->counters.rtt_sum_us += rtt_us;
 		}
 	}
+	/* a peek is no call, whatever a shadow policy would say of its cost */
+	if (d->shadow_denied && !(d->from_redis && cost == 0))
+		e->counters.shadow_denied++;
 	rl_stats_unlock(e);
 }
 
@@ -351,8 +355,9 @@ PG_FUNCTION_INFO_V1(rl_redis_stats_rows);
  * database and policy of the server (shared memory), or of this backend
  * without preloading, and the bounds of the round-trip buckets. It serves
  * the declaration of 1.5 and before (18 columns) and that of 1.6, which
- * adds peeks, by the columns of the result type it is called with, so that
- * a database not yet updated keeps working with this library.
+ * adds peeks and shadow_denied, by the columns of the result type it is
+ * called with, so that a database not yet updated keeps working with this
+ * library.
  */
 Datum
 rl_redis_stats_rows(PG_FUNCTION_ARGS)
@@ -363,8 +368,8 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 	HTAB	   *rows = shared_rows ? shared_rows : local_rows;
 
 	InitMaterializedSRF(fcinfo, 0);
-	if (rsinfo->setDesc->natts != 18 && rsinfo->setDesc->natts != 19)
-		elog(ERROR, "rl_redis_stats_rows must return 18 or 19 columns");
+	if (rsinfo->setDesc->natts != 18 && rsinfo->setDesc->natts != 20)
+		elog(ERROR, "rl_redis_stats_rows must return 18 or 20 columns");
 	if (rows == NULL)
 		return (Datum) 0;
 	if (shared_rows != NULL)
@@ -373,8 +378,8 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 	while ((e = hash_seq_search(&seq)) != NULL)
 	{
 		RlCounters	c;
-		Datum		values[19];
-		bool		nulls[19] = {0};
+		Datum		values[20];
+		bool		nulls[20] = {0};
 		Datum		buckets[RL_RTT_BUCKETS];
 		int			i = 0;
 		int			b;
@@ -408,7 +413,11 @@ rl_redis_stats_rows(PG_FUNCTION_ARGS)
 													  8, FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
 		values[i++] = Float8GetDatum(c.rtt_sum_us / 1000.0);
 		if (rsinfo->setDesc->natts > i)
+		{
+			/* 1.6 */
 			values[i++] = Int64GetDatum(c.peeks);
+			values[i++] = Int64GetDatum(c.shadow_denied);
+		}
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	if (shared_rows != NULL)

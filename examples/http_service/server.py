@@ -538,9 +538,11 @@ class App:
             for name, value in obj.items():
                 if name != "Retry-After":
                     headers.append((name, str(value)))
-        if allowed:
+        if allowed and retry_after_ms <= 0:
             retry_after_s = 0
         else:
+            # a denial, or a shadow policy's would-be denial (allowed, with
+            # the wait enforcing would give)
             retry_after_s = max(1, math.ceil(retry_after_ms / 1000))
             headers.append(("Retry-After", str(retry_after_s)))
         return (200 if allowed else 429), {
