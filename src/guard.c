@@ -937,7 +937,7 @@ PG_FUNCTION_INFO_V1(rl_guard_created);
  * command created as it is checked when it fires, and refuses it (42P17
  * for a trigger of the wrong kind, otherwise the argument's own error)
  * rather than let every write to the table fail. Other triggers cost one
- * catalog query.
+ * catalog query. pg_upgrade's restore of the schema is not checked.
  */
 Datum
 rl_guard_created(PG_FUNCTION_ARGS)
@@ -950,6 +950,9 @@ rl_guard_created(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
 				 errmsg("rl_guard_created must be called as an event trigger")));
+	/* pg_upgrade creates the schema before rl_policy's rows are there */
+	if (IsBinaryUpgrade)
+		PG_RETURN_VOID();
 	guards = rl_guard_triggers(fcinfo, true, &n);
 	for (i = 0; i < n; i++)
 	{
@@ -971,7 +974,9 @@ rl_guard_created(PG_FUNCTION_ARGS)
 /*
  * Returns the message of the first problem of guard trigger on rel (its
  * kind when kind is set, else its arguments), or NULL when there is none.
- * The check runs in a subtransaction, so that its error is caught.
+ * The check runs in a subtransaction, so that its error is caught; an
+ * error that is not about the guard's definition (classes 22 and 42: a
+ * cancel, a failure to read a catalog) is raised again.
  */
 static char *
 rl_guard_problem(FunctionCallInfo fcinfo, Relation rel,
@@ -1000,6 +1005,9 @@ rl_guard_problem(FunctionCallInfo fcinfo, Relation rel,
 		edata = CopyErrorData();
 		FlushErrorState();
 		RollbackAndReleaseCurrentSubTransaction();
+		if (ERRCODE_TO_CATEGORY(edata->sqlerrcode) != ERRCODE_DATA_EXCEPTION &&
+			ERRCODE_TO_CATEGORY(edata->sqlerrcode) != ERRCODE_SYNTAX_ERROR_OR_ACCESS_RULE_VIOLATION)
+			ReThrowError(edata);
 		problem = edata->message;
 	}
 	PG_END_TRY();
