@@ -128,42 +128,47 @@ SELECT (rl_fixed('globex', 10, 60000, 0)).remaining;
 INSERT INTO llm_requests (tenant_id) VALUES (NULL);
 DROP TRIGGER llm_guard ON llm_requests;
 
--- wrong set-ups are clear errors
+-- wrong set-ups are clear errors, at CREATE TRIGGER (the event trigger
+-- rl_guard_created runs the guard's own checks)
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'no_such_column');
-INSERT INTO llm_requests (tenant_id) VALUES ('acme');
-DROP TRIGGER bad ON llm_requests;
+-- a missing policy is only a warning (restores create triggers before
+-- rl_policy's rows): the guard is made, and a write fails
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('no_such_policy', 'tenant_id');
-INSERT INTO llm_requests (tenant_id) VALUES ('acme');
+INSERT INTO llm_requests (tenant_id) VALUES ('t1');
 DROP TRIGGER bad ON llm_requests;
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('fixed:0/1000', 'tenant_id');
-INSERT INTO llm_requests (tenant_id) VALUES ('acme');
-DROP TRIGGER bad ON llm_requests;
+CREATE TRIGGER bad AFTER INSERT ON llm_requests
+    FOR EACH ROW EXECUTE FUNCTION rl_guard('fixed:10/minute', 'tenant_id');
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id', 'tenant_id');
-INSERT INTO llm_requests (tenant_id) VALUES ('acme');
-DROP TRIGGER bad ON llm_requests;
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free');
-INSERT INTO llm_requests (tenant_id) VALUES ('acme');
-DROP TRIGGER bad ON llm_requests;
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('llm.free', 'tenant_id');
-INSERT INTO llm_requests (tenant_id) VALUES ('acme');
-DROP TRIGGER bad ON llm_requests;
 -- a row guard fires after the write: a BEFORE trigger would also charge rows
 -- that INSERT ... ON CONFLICT skips or turns into an update
 CREATE TRIGGER bad BEFORE INSERT ON llm_requests
     FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id');
-INSERT INTO llm_requests (tenant_id) VALUES ('acme');
 \echo :LAST_ERROR_SQLSTATE
-DROP TRIGGER bad ON llm_requests;
 CREATE TRIGGER bad AFTER INSERT ON llm_requests
     FOR EACH STATEMENT EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id');
+SELECT count(*) FROM pg_trigger WHERE tgrelid = 'llm_requests'::regclass;
+-- a guard made without the check (before 1.6) still refuses to fire, and
+-- rl_guard_check() lists it
+BEGIN;
+ALTER EVENT TRIGGER rl_guard_created DISABLE;
+CREATE TRIGGER bad BEFORE INSERT ON llm_requests
+    FOR EACH ROW EXECUTE FUNCTION rl_guard('llm.free', 'tenant_id');
+ALTER EVENT TRIGGER rl_guard_created ENABLE;
+COMMIT;
 INSERT INTO llm_requests (tenant_id) VALUES ('acme');
+\echo :LAST_ERROR_SQLSTATE
+SELECT * FROM rl_guard_check();
 DROP TRIGGER bad ON llm_requests;
+SELECT * FROM rl_guard_check();
 
 DROP TABLE llm_requests;
 DELETE FROM rl_policy;

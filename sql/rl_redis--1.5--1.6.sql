@@ -547,6 +547,32 @@ BEGIN
 END
 $$;
 
+-- Guards checked when created (issue 21, item 3) ---------------------------
+
+-- Refuses at CREATE TRIGGER a guard that would fail at its first write: of
+-- the wrong kind, naming a missing policy or column, or a malformed limit.
+CREATE FUNCTION @extschema@.rl_guard_created()
+RETURNS event_trigger
+AS 'MODULE_PATHNAME', 'rl_guard_created'
+LANGUAGE C
+SET search_path = pg_catalog, pg_temp;
+REVOKE ALL ON FUNCTION @extschema@.rl_guard_created() FROM PUBLIC;
+
+CREATE EVENT TRIGGER rl_guard_created ON ddl_command_end
+    WHEN TAG IN ('CREATE TRIGGER')
+    EXECUTE FUNCTION @extschema@.rl_guard_created();
+
+-- rl_guard_check(): one row per problem of every guard in the database
+-- (guards made before 1.6, or whose policy was deleted since); no rows when
+-- all are fine. It reads what the catalogs and rl_policy show every role.
+CREATE FUNCTION @extschema@.rl_guard_check(
+    OUT table_name regclass, OUT trigger_name name, OUT problem text)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'rl_guard_check'
+LANGUAGE C
+SET search_path = pg_catalog, pg_temp;
+GRANT EXECUTE ON FUNCTION @extschema@.rl_guard_check() TO PUBLIC;
+
 -- Descriptions and named constraints (issue 21): every object says what it
 -- does and who may call it (\df+ rl_*, \dT+, \dv+, \dd rl_policy*), and
 -- each check of rl_policy is named for what it checks. A function's
@@ -608,6 +634,12 @@ COMMENT ON FUNCTION @extschema@.rl_inspect(text, text, integer) IS
     'Says what a call of cost would get now under a policy (slots held, for a concurrency policy), charging nothing and writing nothing in Redis; counted as a peek; for every role.';
 COMMENT ON FUNCTION @extschema@.rl_concurrency_holders(text, text) IS
     'Lists the holders of an identity''s slots of a concurrency policy now: token, backend pid and lease end; for the roles granted EXECUTE.';
+COMMENT ON FUNCTION @extschema@.rl_guard_check() IS
+    'Lists every guard of the database with what is wrong with it (its kind, a missing policy or column, a malformed limit); no rows when all are fine; for every role.';
+COMMENT ON FUNCTION @extschema@.rl_guard_created() IS
+    'The event trigger rl_guard_created''s function: refuses at CREATE TRIGGER a guard that would fail at its first write; nobody calls it.';
+COMMENT ON EVENT TRIGGER rl_guard_created IS
+    'Refuses at CREATE TRIGGER a guard of the wrong kind, naming a missing policy or column, or with a malformed limit.';
 COMMENT ON FUNCTION @extschema@.rl_check(text, text, integer) IS
     'Takes cost units from the identity''s quota under the named rl_policy row and returns the decision; for every role.';
 COMMENT ON FUNCTION @extschema@.rl_allow(text, text, integer) IS

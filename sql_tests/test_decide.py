@@ -95,11 +95,12 @@ def test_a_lowered_sliding_max_lim_holds_for_a_guard_already_set_up(pg):
     table = "decide_guard_%s" % uid()
     pg.execute(sql.SQL("CREATE TABLE {} (tenant text)").format(sql.Identifier(table)))
     try:
+        # CREATE TRIGGER checks the limit under the bound of its session too
+        set_gucs(pg, sliding_max_lim=20000)
         pg.execute(sql.SQL("CREATE TRIGGER g AFTER INSERT ON {} FOR EACH ROW "
                            "EXECUTE FUNCTION rl_guard('sliding:15000/60000', 'tenant')")
                    .format(sql.Identifier(table)))
         tenant = new_ident("decide_guard")
-        set_gucs(pg, sliding_max_lim=20000)
         pg.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(sql.Identifier(table)), (tenant,))
         set_gucs(pg, sliding_max_lim=10000)
         with pytest.raises(Exception) as err:

@@ -10,7 +10,8 @@
   column: the value as is (shared with rl_check from the application).
 - rl_guard fires AFTER INSERT OR UPDATE ... FOR EACH ROW only: a row that
   INSERT ... ON CONFLICT DO NOTHING skips costs nothing, an upsert one unit
-  per row, and a BEFORE trigger is refused with 39P01.
+  per row, and a BEFORE trigger is refused with 39P01 when it fires (one made
+  before 1.6: since then CREATE TRIGGER refuses it, see test_guard_check.py).
 
 The superuser creates the tables, the policies and the guard triggers (the
 trust model: rl_guard is not executable by PUBLIC); the writes come from an
@@ -86,17 +87,24 @@ class GuardEnv:
             )
         return name
 
-    def guard(self, table, timing, *args, name="guard"):
+    def guard(self, table, timing, *args, name="guard", checked=True):
         """CREATE TRIGGER <name> <timing> ON table FOR EACH ROW
-        EXECUTE FUNCTION rl_guard(args), as the superuser."""
-        self.pg.execute(
-            sql.SQL("CREATE TRIGGER {} {} ON {} FOR EACH ROW EXECUTE FUNCTION rl_guard({})").format(
-                sql.Identifier(name),
-                sql.SQL(timing),
-                sql.Identifier(table),
-                sql.SQL(", ").join(sql.Literal(a) for a in args),
-            )
+        EXECUTE FUNCTION rl_guard(args), as the superuser; with checked
+        false, unchecked as before 1.6 (the event trigger rl_guard_created
+        disabled in the creating transaction only)."""
+        create = sql.SQL("CREATE TRIGGER {} {} ON {} FOR EACH ROW EXECUTE FUNCTION rl_guard({})").format(
+            sql.Identifier(name),
+            sql.SQL(timing),
+            sql.Identifier(table),
+            sql.SQL(", ").join(sql.Literal(a) for a in args),
         )
+        if checked:
+            self.pg.execute(create)
+            return
+        with self.pg.transaction():
+            self.pg.execute("ALTER EVENT TRIGGER rl_guard_created DISABLE")
+            self.pg.execute(create)
+            self.pg.execute("ALTER EVENT TRIGGER rl_guard_created ENABLE")
 
     def drop_guard(self, table, name="guard"):
         self.pg.execute(
@@ -418,7 +426,7 @@ def test_before_trigger_is_refused(env):
     conn = env.connect()
     ins = sql.SQL("INSERT INTO {} (tenant) VALUES (%s)").format(sql.Identifier(table))
     for timing in ("BEFORE INSERT", "BEFORE INSERT OR UPDATE"):
-        env.guard(table, timing, policy, "tenant")
+        env.guard(table, timing, policy, "tenant", checked=False)
         with pytest.raises(psycopg.Error) as exc:
             conn.execute(ins, (tenant,))
         err = exc.value
@@ -429,12 +437,15 @@ def test_before_trigger_is_refused(env):
         assert "CREATE TRIGGER" in err.diag.message_hint
         assert "AFTER INSERT" in err.diag.message_hint
         env.drop_guard(table)
-    env.pg.execute(
-        sql.SQL(
-            "CREATE TRIGGER guard AFTER INSERT ON {} FOR EACH STATEMENT "
-            "EXECUTE FUNCTION rl_guard({}, 'tenant')"
-        ).format(sql.Identifier(table), sql.Literal(policy))
-    )
+    with env.pg.transaction():
+        env.pg.execute("ALTER EVENT TRIGGER rl_guard_created DISABLE")
+        env.pg.execute(
+            sql.SQL(
+                "CREATE TRIGGER guard AFTER INSERT ON {} FOR EACH STATEMENT "
+                "EXECUTE FUNCTION rl_guard({}, 'tenant')"
+            ).format(sql.Identifier(table), sql.Literal(policy))
+        )
+        env.pg.execute("ALTER EVENT TRIGGER rl_guard_created ENABLE")
     assert sqlstate_of(conn, ins, (tenant,)) == TRIGGER_PROTOCOL_VIOLATED
     env.drop_guard(table)
     assert conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()[0] == 0
@@ -453,7 +464,7 @@ def test_on_conflict_do_nothing_charges_nothing(env):
     conn = env.connect()
     ins = sql.SQL("INSERT INTO {} (k, tenant) VALUES (%s, %s) ON CONFLICT DO NOTHING").format(sql.Identifier(table))
 
-    env.guard(table, "BEFORE INSERT", policy, "tenant")
+    env.guard(table, "BEFORE INSERT", policy, "tenant", checked=False)
     assert sqlstate_of(conn, ins, ("k1", tenant)) == TRIGGER_PROTOCOL_VIOLATED
     env.drop_guard(table)
     assert env.remaining(policy, tenant) == 1
@@ -494,7 +505,7 @@ def test_upsert_charges_one_per_row(env):
         "INSERT INTO {} (k, tenant, n) VALUES (%s, %s, 1) ON CONFLICT (k) DO UPDATE SET n = {}.n + 1"
     ).format(sql.Identifier(table), sql.Identifier(table))
 
-    env.guard(table, "BEFORE INSERT OR UPDATE", policy, "tenant")
+    env.guard(table, "BEFORE INSERT OR UPDATE", policy, "tenant", checked=False)
     assert sqlstate_of(conn, upsert, ("k1", tenant)) == TRIGGER_PROTOCOL_VIOLATED
     env.drop_guard(table)
     assert env.remaining(policy, tenant) == 10
@@ -556,12 +567,15 @@ def test_types_whose_equal_values_differ_in_text_are_refused(env, pg, coltype):
     """Second review: jsonb ('1' and '1.0' are equal), text under a
     nondeterministic collation ('acme' and 'ACME'), arrays: equal values
     with different text would be different identities, so a guard on such
-    a column is refused (42804) at its first write, before anything is
-    charged."""
+    a column is refused (42804) at CREATE TRIGGER, and at its first write
+    (a guard made before 1.6), before anything is charged."""
     pg.execute("CREATE COLLATION IF NOT EXISTS rl_ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false)")
     policy = env.policy(2)
     table = env.table("tenant %s NOT NULL" % coltype)
-    env.guard(table, "AFTER INSERT", policy, "tenant")
+    with pytest.raises(psycopg.Error) as exc:
+        env.guard(table, "AFTER INSERT", policy, "tenant")
+    assert exc.value.sqlstate == "42804", repr(exc.value)
+    env.guard(table, "AFTER INSERT", policy, "tenant", checked=False)
     conn = env.connect()
     name = sql.Identifier(table).as_string(conn)
     value = {"jsonb": "'1'", "text COLLATE rl_ci": "'acme'", "int[]": "'{1}'"}[coltype]

@@ -536,16 +536,16 @@ def test_guard_spec_burst_checked_as_the_functions_do(env, spec, message):
     """A guard's explicit limit takes a burst only for token_bucket and gcra,
     and only a positive one, refused with 22023 and the message the SQL
     functions give (before the fix: a fixed window's burst made another key
-    for one decision, and a burst of 0 was taken as none)."""
+    for one decision, and a burst of 0 was taken as none), since 1.6 at
+    CREATE TRIGGER."""
     table = "rl_polkeys_%s" % uid()
     owner = env.here
     owner.execute(sql.SQL("CREATE TABLE {} (tenant text NOT NULL)").format(sql.Identifier(table)))
     try:
-        owner.execute(sql.SQL("CREATE TRIGGER guard AFTER INSERT ON {} FOR EACH ROW "
-                              "EXECUTE FUNCTION rl_guard({}, 'tenant')").format(
-            sql.Identifier(table), sql.Literal(spec)))
         with pytest.raises(psycopg.Error) as exc:
-            owner.execute(sql.SQL("INSERT INTO {} VALUES ('t')").format(sql.Identifier(table)))
+            owner.execute(sql.SQL("CREATE TRIGGER guard AFTER INSERT ON {} FOR EACH ROW "
+                                  "EXECUTE FUNCTION rl_guard({}, 'tenant')").format(
+                sql.Identifier(table), sql.Literal(spec)))
         assert (exc.value.sqlstate, exc.value.diag.message_primary) == ("22023", message)
     finally:
         owner.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))

@@ -31,13 +31,19 @@
 #include <math.h>
 
 #include "access/nbtree.h"
+#include "access/relation.h"
+#include "access/table.h"
+#include "access/xact.h"
 #include "catalog/pg_am.h"
+#include "catalog/pg_trigger.h"
 #include "catalog/pg_type.h"
 #include "commands/defrem.h"
+#include "commands/event_trigger.h"
 #include "commands/trigger.h"
 #include "common/hashfn.h"
 #include "executor/executor.h"
 #include "executor/spi.h"
+#include "funcapi.h"
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "pgtime.h"
@@ -50,6 +56,7 @@
 #include "utils/guc.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
+#include "utils/resowner.h"
 #include "utils/tuplestore.h"
 
 #include "rl_redis.h"
@@ -92,11 +99,20 @@ typedef struct RlGuard
 	Oid			cost_type;
 } RlGuard;
 
+/* What a guard's limit argument looks like. */
+typedef enum RlLimitSpec
+{
+	RL_SPEC_POLICY,				/* no "<algorithm>:" prefix: a policy name */
+	RL_SPEC_LIMIT,				/* an explicit limit, parsed */
+	RL_SPEC_MALFORMED			/* "<algorithm>:" and then not a limit */
+} RlLimitSpec;
+
 /*
- * Parses "<algorithm>:<lim>/<window_ms>[/<burst>]" into limit; false when
- * arg does not have that form (it is then a policy name).
+ * Parses "<algorithm>:<lim>/<window_ms>[/<burst>]" into limit. Returns
+ * whether arg has that form, is a policy name, or starts like a limit and
+ * is not one (a policy's name may still read so).
  */
-static bool
+static RlLimitSpec
 rl_parse_limit_spec(const char *arg, RlLimit *limit)
 {
 	int			i;
@@ -113,19 +129,19 @@ rl_parse_limit_spec(const char *arg, RlLimit *limit)
 		if (strncmp(arg, name, len) != 0 || arg[len] != ':')
 			continue;
 		if (sscanf(arg + len + 1, "%lld/%lld%n", &lim, &window, &used) != 2)
-			return false;
+			return RL_SPEC_MALFORMED;
 		if (arg[len + 1 + used] == '/')
 		{
 			int			more = 0;
 
 			if (sscanf(arg + len + 1 + used + 1, "%lld%n", &burst, &more) != 1)
-				return false;
+				return RL_SPEC_MALFORMED;
 			used += 1 + more;
 			if (burst <= 0)
 				burst = -1;		/* rejected by rl_check_limit */
 		}
 		if (arg[len + 1 + used] != '\0')
-			return false;
+			return RL_SPEC_MALFORMED;
 		if (lim <= 0 || lim > PG_INT32_MAX || window <= 0 ||
 			window > RL_MAX_WINDOW_MS || burst > PG_INT32_MAX)
 			ereport(ERROR,
@@ -137,9 +153,49 @@ rl_parse_limit_spec(const char *arg, RlLimit *limit)
 		limit->window_ms = window;
 		limit->burst = (int32) burst;
 		limit->shadow = false;	/* only a policy is ever shadow */
-		return true;
+		return RL_SPEC_LIMIT;
 	}
-	return false;
+	return RL_SPEC_POLICY;
+}
+
+/*
+ * Sets guard->limit (and guard->policy) from its limit argument: an
+ * explicit limit, checked as the functions check theirs, or a rate
+ * policy's. Raises 22023 for a malformed limit that names no policy, 42704
+ * for a missing policy. While the guard is being created, a missing policy
+ * is only a warning (guard->limit is then left empty): a restore, parallel
+ * ones above all, may create the trigger before rl_policy's rows arrive.
+ */
+static void
+rl_guard_limit(FunctionCallInfo fcinfo, RlGuard *guard, bool creating)
+{
+	RlLimitSpec spec = rl_parse_limit_spec(guard->limit_arg, &guard->limit);
+
+	if (spec == RL_SPEC_LIMIT)
+	{
+		rl_check_limit(&guard->limit);
+		return;
+	}
+	if (rl_policy_find(fcinfo, guard->limit_arg, &guard->limit))
+	{
+		guard->policy = guard->limit_arg;
+		return;
+	}
+	if (spec == RL_SPEC_MALFORMED)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("invalid rate limit \"%s\"", guard->limit_arg),
+				 errdetail("An explicit limit is written <algorithm>:<lim>/<window_ms>[/<burst>], for example fixed:100/60000."),
+				 errhint("Write the limit in that form, or name a policy (a row of rl_policy).")));
+	if (creating)
+	{
+		rl_policy_missing(guard->limit_arg, WARNING,
+						  "Every write to the table fails until the policy is inserted into rl_policy (rl_guard_check() lists such guards). Restores create triggers before rl_policy's rows, so this is not an error.");
+		guard->policy = guard->limit_arg;
+		return;
+	}
+	rl_policy_missing(guard->limit_arg, ERROR,
+					  "Insert the policy into rl_policy first (INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (...)), or write an explicit limit such as 'fixed:100/60000'.");
 }
 
 /* Returns the attribute number of column name in rel, or raises 42703. */
@@ -241,30 +297,50 @@ rl_guard_check_equality(Relation rel, const char *name, RlColumnKind kind,
 }
 
 /*
- * Resolves the trigger's arguments once per statement (cached in fn_extra)
- * and returns them.
+ * Raises sqlstate unless trigger is declared as its guard needs: rl_guard
+ * AFTER INSERT and/or UPDATE ... FOR EACH ROW (a BEFORE trigger also sees
+ * the rows that INSERT ... ON CONFLICT skips or turns into an UPDATE);
+ * rl_guard_statement AFTER ... FOR EACH STATEMENT with REFERENCING NEW
+ * TABLE (which PostgreSQL allows on INSERT or UPDATE only).
+ */
+static void
+rl_guard_check_type(const Trigger *trigger, bool statement, int sqlstate)
+{
+	int16		type = trigger->tgtype;
+	bool		after = !TRIGGER_FOR_BEFORE(type) && !TRIGGER_FOR_INSTEAD(type);
+
+	if (!statement &&
+		!(after && TRIGGER_FOR_ROW(type) && !TRIGGER_FOR_DELETE(type)))
+		ereport(ERROR,
+				(errcode(sqlstate),
+				 errmsg("rl_guard must be fired AFTER INSERT OR UPDATE ... FOR EACH ROW"),
+				 errdetail("The row guard charges each row written, once it is written."),
+				 errhint("For example: CREATE TRIGGER t AFTER INSERT ON tbl FOR EACH ROW EXECUTE FUNCTION rl_guard('free', 'tenant_id').")));
+	if (statement &&
+		!(after && !TRIGGER_FOR_ROW(type) && trigger->tgnewtable != NULL))
+		ereport(ERROR,
+				(errcode(sqlstate),
+				 errmsg("rl_guard_statement must be fired AFTER ... FOR EACH STATEMENT with REFERENCING NEW TABLE"),
+				 errdetail("The statement guard reads the statement's new rows from its transition table."),
+				 errhint("For example: CREATE TRIGGER t AFTER INSERT ON tbl REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('free', 'tenant_id').")));
+}
+
+/*
+ * Resolves the arguments of the guard trigger on rel into an RlGuard
+ * allocated in cxt, raising the first problem: the one parser and checker
+ * of a guard's arguments, when it fires and when it is created.
  */
 static RlGuard *
-rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
+rl_guard_build(FunctionCallInfo fcinfo, Relation rel, const Trigger *trigger,
+			   bool statement, bool creating, MemoryContext cxt)
 {
-	TriggerData *trigdata = (TriggerData *) fcinfo->context;
-	Trigger    *trigger;
-	Relation	rel;
-	RlGuard    *guard = (RlGuard *) fcinfo->flinfo->fn_extra;
+	const char *fname = statement ? "rl_guard_statement" : "rl_guard";
+	RlGuard    *guard;
 	MemoryContext old;
 	char	   *list;
 	char	   *tok;
 	char	   *save;
 	int			i;
-
-	if (!CALLED_AS_TRIGGER(fcinfo))
-		ereport(ERROR,
-				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("%s must be called as a trigger", fname)));
-	trigger = trigdata->tg_trigger;
-	rel = trigdata->tg_relation;
-	if (guard != NULL && guard->tgoid == trigger->tgoid)
-		return guard;
 
 	if (trigger->tgnargs < 2 || trigger->tgnargs > 3)
 		ereport(ERROR,
@@ -272,15 +348,11 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 				 errmsg("%s takes a limit, the identity columns and an optional cost column", fname),
 				 errhint("For example: EXECUTE FUNCTION %s('free', 'tenant_id').", fname)));
 
-	old = MemoryContextSwitchTo(fcinfo->flinfo->fn_mcxt);
+	old = MemoryContextSwitchTo(cxt);
 	guard = palloc0(sizeof(RlGuard));
 	guard->tgoid = trigger->tgoid;
 	guard->limit_arg = pstrdup(trigger->tgargs[0]);
-	if (!rl_parse_limit_spec(guard->limit_arg, &guard->limit))
-	{
-		guard->limit = rl_policy_find(fcinfo, guard->limit_arg);
-		guard->policy = guard->limit_arg;
-	}
+	rl_guard_limit(fcinfo, guard, creating);
 
 	list = pstrdup(trigger->tgargs[1]);
 	guard->columns = palloc(sizeof(AttrNumber) * (strlen(list) + 1));
@@ -312,7 +384,7 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 			guard->fixed_settings = true;
 		getTypeOutputInfo(typid, &typoutput, &varlena);
 		fmgr_info_cxt(typoutput, &guard->column_output[guard->ncolumns],
-					  fcinfo->flinfo->fn_mcxt);
+					  cxt);
 		guard->ncolumns++;
 	}
 	if (guard->ncolumns == 0)
@@ -335,6 +407,30 @@ rl_guard_setup(FunctionCallInfo fcinfo, const char *fname)
 							guard->cost_name)));
 	}
 	MemoryContextSwitchTo(old);
+	return guard;
+}
+
+/*
+ * Resolves the trigger's arguments once per statement (cached in fn_extra)
+ * and returns them; raises 39P01 for a trigger of the wrong kind.
+ */
+static RlGuard *
+rl_guard_setup(FunctionCallInfo fcinfo, bool statement)
+{
+	TriggerData *trigdata = (TriggerData *) fcinfo->context;
+	RlGuard    *guard = (RlGuard *) fcinfo->flinfo->fn_extra;
+
+	if (!CALLED_AS_TRIGGER(fcinfo))
+		ereport(ERROR,
+				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
+				 errmsg("%s must be called as a trigger",
+						statement ? "rl_guard_statement" : "rl_guard")));
+	if (guard != NULL && guard->tgoid == trigdata->tg_trigger->tgoid)
+		return guard;
+	rl_guard_check_type(trigdata->tg_trigger, statement,
+						ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED);
+	guard = rl_guard_build(fcinfo, trigdata->tg_relation, trigdata->tg_trigger,
+						   statement, false, fcinfo->flinfo->fn_mcxt);
 	fcinfo->flinfo->fn_extra = guard;
 	return guard;
 }
@@ -628,17 +724,7 @@ rl_guard(PG_FUNCTION_ARGS)
 	int32		cost;
 	RlDecision	d;
 
-	/* rl_guard_setup complains when not called as a trigger */
-	if (CALLED_AS_TRIGGER(fcinfo) &&
-		(!TRIGGER_FIRED_AFTER(trigdata->tg_event) ||
-		 !TRIGGER_FIRED_FOR_ROW(trigdata->tg_event) ||
-		 !(TRIGGER_FIRED_BY_INSERT(trigdata->tg_event) ||
-		   TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event))))
-		ereport(ERROR,
-				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("rl_guard must be fired AFTER INSERT OR UPDATE ... FOR EACH ROW"),
-				 errhint("For example: CREATE TRIGGER t AFTER INSERT ON tbl FOR EACH ROW EXECUTE FUNCTION rl_guard('free', 'tenant_id').")));
-	guard = rl_guard_setup(fcinfo, "rl_guard");
+	guard = rl_guard_setup(fcinfo, false);
 	rel = trigdata->tg_relation;
 
 	slot = TRIGGER_FIRED_BY_UPDATE(trigdata->tg_event) ?
@@ -682,7 +768,7 @@ Datum
 rl_guard_statement(PG_FUNCTION_ARGS)
 {
 	TriggerData *trigdata = (TriggerData *) fcinfo->context;
-	RlGuard    *guard = rl_guard_setup(fcinfo, "rl_guard_statement");
+	RlGuard    *guard = rl_guard_setup(fcinfo, true);
 	Relation	rel = trigdata->tg_relation;
 	Tuplestorestate *rows = trigdata->tg_newtable;
 	TupleTableSlot *slot;
@@ -699,12 +785,9 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	RlRequest	req = {RL_DECIDE_ALL, NULL, 0, NULL, RL_BY_GUARD, rel};
 	RlDecision	d;
 
-	if (!TRIGGER_FIRED_FOR_STATEMENT(trigdata->tg_event) ||
-		!TRIGGER_FIRED_AFTER(trigdata->tg_event) || rows == NULL)
-		ereport(ERROR,
-				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
-				 errmsg("rl_guard_statement must be fired AFTER ... FOR EACH STATEMENT with REFERENCING NEW TABLE"),
-				 errhint("For example: CREATE TRIGGER t AFTER INSERT ON tbl REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION rl_guard_statement('free', 'tenant_id').")));
+	/* a trigger declared with NEW TABLE on a statement that wrote none */
+	if (rows == NULL)
+		return PointerGetDatum(NULL);
 
 	ctl.keysize = sizeof(uint64);
 	ctl.entrysize = sizeof(RlGroup);
@@ -792,4 +875,202 @@ rl_guard_statement(PG_FUNCTION_ARGS)
 	if (!d.allowed)
 		rl_guard_denied(guard, rel, list[worst]->identity, &d);
 	return PointerGetDatum(NULL);
+}
+
+/* A guard trigger found in the catalogs. */
+typedef struct RlGuardTrigger
+{
+	Oid			tgoid;
+	Oid			relid;
+	bool		statement;		/* calls rl_guard_statement */
+} RlGuardTrigger;
+
+/*
+ * Returns the guard triggers (those that call this extension's rl_guard or
+ * rl_guard_statement) that the current DDL command created, or with
+ * created false every guard in the database; *n is their number.
+ */
+static RlGuardTrigger *
+rl_guard_triggers(FunctionCallInfo fcinfo, bool created, int *n)
+{
+	Oid			argtypes[1] = {OIDOID};
+	Datum		args[1];
+	RlGuardTrigger *found;
+	uint64		i;
+
+	args[0] = ObjectIdGetDatum(get_func_namespace(fcinfo->flinfo->fn_oid));
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute_with_args(psprintf("SELECT t.oid, t.tgrelid, p.proname OPERATOR(pg_catalog.=) 'rl_guard_statement'"
+									   "  FROM pg_catalog.pg_trigger t"
+									   "  JOIN pg_catalog.pg_proc p ON p.oid OPERATOR(pg_catalog.=) t.tgfoid"
+									   " WHERE p.pronamespace OPERATOR(pg_catalog.=) $1"
+									   "   AND p.proname OPERATOR(pg_catalog.=) ANY ('{rl_guard,rl_guard_statement}'::pg_catalog.name[])"
+									   "%s ORDER BY t.tgrelid, t.tgname",
+									   created ?
+									   "   AND t.oid OPERATOR(pg_catalog.=) ANY (SELECT c.objid FROM pg_catalog.pg_event_trigger_ddl_commands() c"
+									   " WHERE c.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_trigger'::pg_catalog.regclass)" : ""),
+							  1, argtypes, args, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the guard triggers");
+	*n = (int) SPI_processed;
+	found = SPI_palloc(sizeof(RlGuardTrigger) * (SPI_processed + 1));
+	for (i = 0; i < SPI_processed; i++)
+	{
+		bool		isnull;
+		HeapTuple	tuple = SPI_tuptable->vals[i];
+		TupleDesc	tupdesc = SPI_tuptable->tupdesc;
+
+		found[i].tgoid = DatumGetObjectId(SPI_getbinval(tuple, tupdesc, 1, &isnull));
+		found[i].relid = DatumGetObjectId(SPI_getbinval(tuple, tupdesc, 2, &isnull));
+		found[i].statement = DatumGetBool(SPI_getbinval(tuple, tupdesc, 3, &isnull));
+	}
+	SPI_finish();
+	return found;
+}
+
+/* Returns rel's trigger tgoid, or NULL when it has none such. */
+static const Trigger *
+rl_guard_trigger(Relation rel, Oid tgoid)
+{
+	int			i;
+
+	for (i = 0; rel->trigdesc != NULL && i < rel->trigdesc->numtriggers; i++)
+		if (rel->trigdesc->triggers[i].tgoid == tgoid)
+			return &rel->trigdesc->triggers[i];
+	return NULL;
+}
+
+PG_FUNCTION_INFO_V1(rl_guard_created);
+
+/*
+ * Event trigger on CREATE TRIGGER (ddl_command_end): checks every guard the
+ * command created as it is checked when it fires, and refuses it (42P17
+ * for a trigger of the wrong kind, otherwise the argument's own error)
+ * rather than let every write to the table fail. Other triggers cost one
+ * catalog query. pg_upgrade's restore of the schema is not checked.
+ */
+Datum
+rl_guard_created(PG_FUNCTION_ARGS)
+{
+	RlGuardTrigger *guards;
+	int			n;
+	int			i;
+
+	if (!CALLED_AS_EVENT_TRIGGER(fcinfo))
+		ereport(ERROR,
+				(errcode(ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED),
+				 errmsg("rl_guard_created must be called as an event trigger")));
+	/* pg_upgrade creates the schema before rl_policy's rows are there */
+	if (IsBinaryUpgrade)
+		PG_RETURN_VOID();
+	guards = rl_guard_triggers(fcinfo, true, &n);
+	for (i = 0; i < n; i++)
+	{
+		Relation	rel = table_open(guards[i].relid, AccessShareLock);
+		const Trigger *trigger = rl_guard_trigger(rel, guards[i].tgoid);
+
+		if (trigger != NULL)
+		{
+			rl_guard_check_type(trigger, guards[i].statement,
+								ERRCODE_INVALID_OBJECT_DEFINITION);
+			(void) rl_guard_build(fcinfo, rel, trigger, guards[i].statement,
+								  true, CurrentMemoryContext);
+		}
+		table_close(rel, AccessShareLock);
+	}
+	PG_RETURN_VOID();
+}
+
+/*
+ * Returns the message of the first problem of guard trigger on rel (its
+ * kind when kind is set, else its arguments), or NULL when there is none.
+ * The check runs in a subtransaction, so that its error is caught; an
+ * error that is not about the guard's definition (classes 22 and 42: a
+ * cancel, a failure to read a catalog) is raised again.
+ */
+static char *
+rl_guard_problem(FunctionCallInfo fcinfo, Relation rel,
+				 const Trigger *trigger, bool statement, bool kind)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+	char	   *volatile problem = NULL;
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(cxt);
+	PG_TRY();
+	{
+		if (kind)
+			rl_guard_check_type(trigger, statement,
+								ERRCODE_INVALID_OBJECT_DEFINITION);
+		else
+			(void) rl_guard_build(fcinfo, rel, trigger, statement, false, cxt);
+		ReleaseCurrentSubTransaction();
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(cxt);
+		edata = CopyErrorData();
+		FlushErrorState();
+		RollbackAndReleaseCurrentSubTransaction();
+		if (ERRCODE_TO_CATEGORY(edata->sqlerrcode) != ERRCODE_DATA_EXCEPTION &&
+			ERRCODE_TO_CATEGORY(edata->sqlerrcode) != ERRCODE_SYNTAX_ERROR_OR_ACCESS_RULE_VIOLATION)
+			ReThrowError(edata);
+		problem = edata->message;
+	}
+	PG_END_TRY();
+	MemoryContextSwitchTo(cxt);
+	CurrentResourceOwner = owner;
+	return problem;
+}
+
+PG_FUNCTION_INFO_V1(rl_guard_check);
+
+/*
+ * rl_guard_check(): one row (table, trigger, problem) per problem of every
+ * guard in the database: its kind, then the first problem of its
+ * arguments (a policy deleted since, a column dropped, ...). Each table is
+ * locked only while its guards are checked.
+ */
+Datum
+rl_guard_check(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	RlGuardTrigger *guards;
+	int			n;
+	int			i;
+
+	InitMaterializedSRF(fcinfo, 0);
+	guards = rl_guard_triggers(fcinfo, false, &n);
+	for (i = 0; i < n; i++)
+	{
+		Relation	rel = try_relation_open(guards[i].relid, AccessShareLock);
+		const Trigger *trigger;
+		int			kind;
+
+		if (rel == NULL)
+			continue;			/* dropped since */
+		trigger = rl_guard_trigger(rel, guards[i].tgoid);
+		for (kind = 1; trigger != NULL && kind >= 0; kind--)
+		{
+			char	   *problem = rl_guard_problem(fcinfo, rel, trigger,
+												   guards[i].statement,
+												   kind == 1);
+			Datum		values[3];
+			bool		nulls[3] = {false, false, false};
+
+			if (problem == NULL)
+				continue;
+			values[0] = ObjectIdGetDatum(guards[i].relid);
+			values[1] = DirectFunctionCall1(namein,
+											CStringGetDatum(trigger->tgname));
+			values[2] = CStringGetTextDatum(problem);
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc,
+								 values, nulls);
+		}
+		relation_close(rel, AccessShareLock);
+	}
+	return (Datum) 0;
 }

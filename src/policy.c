@@ -169,17 +169,29 @@ rl_policy_read(text *name, const char *key, RlPolicy *found)
 }
 
 /*
- * Returns the policy named name (text), from the cache or from rl_policy;
- * raises 42704 when there is none. The result is a copy: the cache may be
+ * Reports 42704 at elevel: the policy named name does not exist. hint says
+ * where to look or what to do.
+ */
+void
+rl_policy_missing(const char *name, int elevel, const char *hint)
+{
+	ereport(elevel,
+			(errcode(ERRCODE_UNDEFINED_OBJECT),
+			 errmsg("rate-limit policy \"%s\" does not exist", name),
+			 errhint("%s", hint)));
+}
+
+/*
+ * Sets found to the policy named name (text), from the cache or from
+ * rl_policy; false when there is none. found is a copy: the cache may be
  * dropped by the next invalidation.
  */
-RlPolicy
-rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
+static bool
+rl_policy_get(FunctionCallInfo fcinfo, text *name, RlPolicy *found)
 {
 	char		key[RL_POLICY_NAME_LEN];
 	int			len = VARSIZE_ANY_EXHDR(name);
 	RlPolicy   *entry;
-	RlPolicy	found;
 	uint64		generation;
 
 	if (len == 0)
@@ -187,10 +199,7 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("policy must not be empty")));
 	if (len >= RL_POLICY_NAME_LEN)
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_OBJECT),
-				 errmsg("rate-limit policy \"%s\" does not exist",
-						text_to_cstring(name))));
+		return false;
 	memcpy(key, VARDATA_ANY(name), len);
 	key[len] = '\0';
 
@@ -199,7 +208,10 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 	rl_policy_refresh(fcinfo);
 	entry = hash_search(policy_cache, key, HASH_FIND, NULL);
 	if (entry != NULL)
-		return *entry;
+	{
+		*found = *entry;
+		return true;
+	}
 
 	/*
 	 * Read until no invalidation arrived during the read: one that did may
@@ -208,34 +220,48 @@ rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
 	do
 	{
 		generation = policy_generation;
-		if (!rl_policy_read(name, key, &found))
-			ereport(ERROR,
-					(errcode(ERRCODE_UNDEFINED_OBJECT),
-					 errmsg("rate-limit policy \"%s\" does not exist", key),
-					 errhint("Policies are rows of the rl_policy table.")));
+		if (!rl_policy_read(name, key, found))
+			return false;
 		AcceptInvalidationMessages();
 	} while (generation != policy_generation);
 
 	rl_policy_refresh(fcinfo);
 	entry = hash_search(policy_cache, key, HASH_ENTER, NULL);
-	*entry = found;
+	*entry = *found;
+	return true;
+}
+
+/*
+ * Returns the policy named name (text); raises 42704 when there is none.
+ */
+RlPolicy
+rl_policy_lookup(FunctionCallInfo fcinfo, text *name)
+{
+	RlPolicy	found;
+
+	if (!rl_policy_get(fcinfo, name, &found))
+		rl_policy_missing(text_to_cstring(name), ERROR,
+						  "Policies are rows of the rl_policy table.");
 	return found;
 }
 
 /*
- * Returns the limit of the rate policy named name (for guards); raises 42704
- * when there is none and 22023 for a concurrency policy.
+ * Sets limit to the limit of the rate policy named name (for guards); false
+ * when there is none; raises 22023 for a concurrency policy.
  */
-RlLimit
-rl_policy_find(FunctionCallInfo fcinfo, const char *name)
+bool
+rl_policy_find(FunctionCallInfo fcinfo, const char *name, RlLimit *limit)
 {
-	RlPolicy	policy = rl_policy_lookup(fcinfo, cstring_to_text(name));
+	RlPolicy	policy;
 
+	if (!rl_policy_get(fcinfo, cstring_to_text(name), &policy))
+		return false;
 	if (policy.concurrency)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("policy \"%s\" is a concurrency limit, not a rate limit", name)));
-	return policy.limit;
+	*limit = policy.limit;
+	return true;
 }
 
 /* Returns the policy named by argument argno, which must not be NULL. */

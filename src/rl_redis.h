@@ -910,7 +910,9 @@ typedef struct RlPolicy
 extern void rl_policy_init(void);
 extern RlPolicy rl_policy_lookup(FunctionCallInfo fcinfo, text *name);
 extern RlPolicy rl_policy_arg(FunctionCallInfo fcinfo, int argno);
-extern RlLimit rl_policy_find(FunctionCallInfo fcinfo, const char *name);
+extern bool rl_policy_find(FunctionCallInfo fcinfo, const char *name,
+						   RlLimit *limit);
+extern void rl_policy_missing(const char *name, int elevel, const char *hint);
 
 /* refunds on abort (refund.c) */
 
