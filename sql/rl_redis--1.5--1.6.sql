@@ -5,7 +5,7 @@
 
 -- Windows as intervals (issue 21): every function of explicit arguments
 -- also takes its window (or a slot's lease) as an interval, or as a text
--- that holds one ('1 minute'; a text of digits alone is milliseconds), so
+-- that holds one ('1 minute'; a number alone is milliseconds), so
 -- that rl_fixed('api', 5, '1 minute') works. Each overload is the same C
 -- function: the window argument is read in one place (rl_get_window_ms),
 -- which refuses months and years (their length varies) and fractions of a
@@ -278,91 +278,91 @@ REVOKE ALL ON FUNCTION @extschema@.rl_gcra_many(identities text[], lim integer, 
 COMMENT ON FUNCTION @extschema@.rl_fixed(text, integer, interval, integer) IS
     'Like rl_fixed(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_fixed(text, integer, text, integer) IS
-    'Like rl_fixed(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_fixed(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_fixed_allow(text, integer, interval, integer) IS
     'Like rl_fixed_allow(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_fixed_allow(text, integer, text, integer) IS
-    'Like rl_fixed_allow(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_fixed_allow(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding(text, integer, interval, integer) IS
     'Like rl_sliding(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding(text, integer, text, integer) IS
-    'Like rl_sliding(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_allow(text, integer, interval, integer) IS
     'Like rl_sliding_allow(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_allow(text, integer, text, integer) IS
-    'Like rl_sliding_allow(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding_allow(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket(text, integer, interval, integer, integer) IS
     'Like rl_token_bucket(text, integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket(text, integer, text, integer, integer) IS
-    'Like rl_token_bucket(text, integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_token_bucket(text, integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket_allow(text, integer, interval, integer, integer) IS
     'Like rl_token_bucket_allow(text, integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket_allow(text, integer, text, integer, integer) IS
-    'Like rl_token_bucket_allow(text, integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_token_bucket_allow(text, integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket_refund(text, integer, interval, integer, integer) IS
     'Like rl_token_bucket_refund(text, integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket_refund(text, integer, text, integer, integer) IS
-    'Like rl_token_bucket_refund(text, integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_token_bucket_refund(text, integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra(text, integer, interval, integer, integer) IS
     'Like rl_gcra(text, integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra(text, integer, text, integer, integer) IS
-    'Like rl_gcra(text, integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_gcra(text, integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra_allow(text, integer, interval, integer, integer) IS
     'Like rl_gcra_allow(text, integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra_allow(text, integer, text, integer, integer) IS
-    'Like rl_gcra_allow(text, integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_gcra_allow(text, integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra_refund(text, integer, interval, integer, integer) IS
     'Like rl_gcra_refund(text, integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra_refund(text, integer, text, integer, integer) IS
-    'Like rl_gcra_refund(text, integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_gcra_refund(text, integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter(text, integer, interval, integer) IS
     'Like rl_sliding_counter(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter(text, integer, text, integer) IS
-    'Like rl_sliding_counter(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding_counter(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter_allow(text, integer, interval, integer) IS
     'Like rl_sliding_counter_allow(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter_allow(text, integer, text, integer) IS
-    'Like rl_sliding_counter_allow(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding_counter_allow(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter_refund(text, integer, interval, integer) IS
     'Like rl_sliding_counter_refund(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter_refund(text, integer, text, integer) IS
-    'Like rl_sliding_counter_refund(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding_counter_refund(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_fixed_refund(text, integer, interval, integer) IS
     'Like rl_fixed_refund(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_fixed_refund(text, integer, text, integer) IS
-    'Like rl_fixed_refund(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_fixed_refund(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_refund(text, integer, interval, integer) IS
     'Like rl_sliding_refund(text, integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_refund(text, integer, text, integer) IS
-    'Like rl_sliding_refund(text, integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding_refund(text, integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_concurrency_acquire(text, integer, interval) IS
     'Like rl_concurrency_acquire(text, integer, bigint) with the lease as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_concurrency_acquire(text, integer, text) IS
-    'Like rl_concurrency_acquire(text, integer, bigint) with the lease as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_concurrency_acquire(text, integer, bigint) with the lease as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_concurrency_acquire_allow(text, integer, interval) IS
     'Like rl_concurrency_acquire_allow(text, integer, bigint) with the lease as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_concurrency_acquire_allow(text, integer, text) IS
-    'Like rl_concurrency_acquire_allow(text, integer, bigint) with the lease as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_concurrency_acquire_allow(text, integer, bigint) with the lease as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_fixed_many(text[], integer, interval, integer) IS
     'Like rl_fixed_many(text[], integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_fixed_many(text[], integer, text, integer) IS
-    'Like rl_fixed_many(text[], integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_fixed_many(text[], integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_many(text[], integer, interval, integer) IS
     'Like rl_sliding_many(text[], integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_many(text[], integer, text, integer) IS
-    'Like rl_sliding_many(text[], integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding_many(text[], integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter_many(text[], integer, interval, integer) IS
     'Like rl_sliding_counter_many(text[], integer, bigint, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_sliding_counter_many(text[], integer, text, integer) IS
-    'Like rl_sliding_counter_many(text[], integer, bigint, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_sliding_counter_many(text[], integer, bigint, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket_many(text[], integer, interval, integer, integer) IS
     'Like rl_token_bucket_many(text[], integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_token_bucket_many(text[], integer, text, integer, integer) IS
-    'Like rl_token_bucket_many(text[], integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_token_bucket_many(text[], integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra_many(text[], integer, interval, integer, integer) IS
     'Like rl_gcra_many(text[], integer, bigint, integer, integer) with the window as an interval; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_gcra_many(text[], integer, text, integer, integer) IS
-    'Like rl_gcra_many(text[], integer, bigint, integer, integer) with the window as a text: digits are milliseconds, anything else an interval; for the roles granted EXECUTE.';
+    'Like rl_gcra_many(text[], integer, bigint, integer, integer) with the window as a text: a number alone is milliseconds, anything else an interval; for the roles granted EXECUTE.';
 
 -- Inspecting a quota (issue 21, item 1): rl_inspect, rl_concurrency_holders
 -- and the peeks of the statistics.

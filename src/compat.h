@@ -12,6 +12,7 @@
  *     frees its set with FreeWaitEventSet when the connection closes).
  *     PGPROC lost pgprocno: a backend's number in the proc array is
  *     MyProcNumber (storage/procnumber.h, through storage/proc.h).
+ *     An interval can be infinite ('infinity', '-infinity').
  */
 #ifndef RL_COMPAT_H
 #define RL_COMPAT_H
@@ -19,6 +20,7 @@
 #include "postgres.h"
 
 #include "storage/latch.h"
+#include "datatype/timestamp.h"
 #include "storage/proc.h"
 #include "utils/memutils.h"
 
@@ -42,6 +44,14 @@
 #define rl_my_proc_number() ((int) MyProcNumber)
 #else
 #define rl_my_proc_number() ((int) MyProc->pgprocno)
+#endif
+
+/* 1 for an interval of +infinity, -1 for -infinity, 0 for a finite one. */
+#if PG_VERSION_NUM >= 170000
+#define rl_interval_infinity(span) \
+	(INTERVAL_IS_NOEND(span) ? 1 : INTERVAL_IS_NOBEGIN(span) ? -1 : 0)
+#else
+#define rl_interval_infinity(span) 0
 #endif
 
 #endif							/* RL_COMPAT_H */

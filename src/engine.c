@@ -107,12 +107,38 @@ rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name)
 }
 
 /*
+ * Whether s is a number alone: white space around, a sign, digits and
+ * points. interval_in would read it as seconds; the text form of a window
+ * reads it as the bigint form does.
+ */
+static bool
+rl_is_number(const char *s)
+{
+	const char *p = s;
+	const char *end;
+
+	while (isspace((unsigned char) *p))
+		p++;
+	if (*p == '+' || *p == '-')
+		p++;
+	end = p + strspn(p, "0123456789.");
+	if (end == p)
+		return false;
+	while (isspace((unsigned char) *end))
+		end++;
+	return *end == '\0';
+}
+
+/*
  * Returns argument argno, a window or a lease, in milliseconds, not null.
  * The explicit-limit functions take it as a bigint (milliseconds), an
- * interval, or a text: digits alone are milliseconds, as the bigint, any
- * other text is read as an interval ('1 minute'). An interval must be a
- * whole number of milliseconds and hold no months or years, whose length
- * varies (a day is 86 400 000 ms). The range is rl_check_limit's.
+ * interval, or a text: a number alone is milliseconds, read as the bigint
+ * (and 1.5, where such a literal resolved to the bigint) reads it, so that
+ * ' +60000 ' is 60000 ms and '60.5' is refused; any other text is read as
+ * an interval ('1 minute'). An interval must be a whole number of
+ * milliseconds and hold no months or years, whose length varies (a day is
+ * 86 400 000 ms); an infinite one is beyond any range. The range is
+ * rl_check_limit's.
  */
 int64
 rl_get_window_ms(FunctionCallInfo fcinfo, int argno, const char *name)
@@ -133,10 +159,8 @@ rl_get_window_ms(FunctionCallInfo fcinfo, int argno, const char *name)
 	if (type == TEXTOID)
 	{
 		char	   *s = text_to_cstring(PG_GETARG_TEXT_PP(argno));
-		const char *p = s + strspn(s, " ");
-		size_t		digits = strspn(p, "0123456789");
 
-		if (digits > 0 && p[digits + strspn(p + digits, " ")] == '\0')
+		if (rl_is_number(s))
 			return DatumGetInt64(DirectFunctionCall1(int8in, CStringGetDatum(s)));
 		span = DatumGetIntervalP(DirectFunctionCall3(interval_in, CStringGetDatum(s),
 													 ObjectIdGetDatum(InvalidOid),
@@ -147,6 +171,8 @@ rl_get_window_ms(FunctionCallInfo fcinfo, int argno, const char *name)
 	else
 		return PG_GETARG_INT64(argno);
 
+	if (rl_interval_infinity(span) != 0)
+		return rl_interval_infinity(span) > 0 ? PG_INT64_MAX : PG_INT64_MIN;
 	if (span->month != 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
