@@ -47,8 +47,8 @@ PUBLIC_FUNCTIONS = [
     "rl_check", "rl_allow", "rl_check_all", "rl_allow_all", "rl_check_many",
     "rl_acquire", "rl_acquire_allow", "rl_release",
     "rl_concurrency_release", "rl_headers", "rl_redis_ping",
-    # 1.6: inspecting a quota
-    "rl_inspect",
+    # 1.6: inspecting a quota; the problems of the guards
+    "rl_inspect", "rl_guard_check",
 ]
 ADMIN_FUNCTIONS = [
     "rl_fixed", "rl_fixed_allow", "rl_fixed_refund",
@@ -66,8 +66,9 @@ ADMIN_FUNCTIONS = [
     # 1.5: batch decisions on explicit limits
     "rl_fixed_many", "rl_sliding_many", "rl_sliding_counter_many",
     "rl_token_bucket_many", "rl_gcra_many",
-    # 1.6: who holds a concurrency policy's slots
-    "rl_concurrency_holders",
+    # 1.6: who holds a concurrency policy's slots; the event trigger
+    # that checks a guard when it is created
+    "rl_concurrency_holders", "rl_guard_created",
 ]
 
 
