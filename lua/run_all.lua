@@ -12,7 +12,8 @@
 -- per key, then each key's epoch (see run_one.lua), then each limit's own
 -- verdict (1 allowed, 0 denied). The most restrictive is a denied one with
 -- the longest wait (-1 counts longest), else the one with the fewest units
--- left.
+-- left; when the call is denied, it is one of the enforced limits (not
+-- shadow), whose wait is the caller's.
 
 -- True when result a is more restrictive than result b.
 local function tighter(a, b)
@@ -29,6 +30,7 @@ local now = clock_us(ARGV[1])
 local scopes = split(ARGV[2])
 local commits = {}
 local results = {}
+local shadows = {}
 local all_allowed = true
 local worst, worst_index = nil, 0
 for i = 1, #KEYS do
@@ -45,8 +47,13 @@ for i = 1, #KEYS do
     commits[#commits + 1] = commit
   end
   results[i] = result
-  if worst == nil or tighter(result, worst) then
-    worst, worst_index = result, i
+  shadows[i] = shadow
+end
+-- a denied call waits for its enforced limits only: a shadow one stops nothing
+for i = 1, #KEYS do
+  if (all_allowed or not shadows[i]) and
+     (worst == nil or tighter(results[i], worst)) then
+    worst, worst_index = results[i], i
   end
 end
 if all_allowed then

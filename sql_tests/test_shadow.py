@@ -273,3 +273,22 @@ def test_a_1_5_schema_works_with_the_new_library(pg, redis):
             assert counts(conn, "p") == (2, 1, 1, 1)
     finally:
         pg.execute("DROP DATABASE %s" % db)
+
+
+def test_check_all_denial_waits_for_the_enforcing_limits_only(session, policy, ident):
+    """rl_check_all over an enforcing fixed window of 1 a minute and a shadow
+    one of 1 an hour: the second call is denied by the enforcing policy, and
+    its numbers (retry_after_ms above all, which Retry-After carries) are
+    the enforcing policy's alone, as without the shadow policy: a shadow
+    policy stops nothing, so it must not make a client wait an hour."""
+    conn = session()
+    enforce, shadow = policy("fixed", 1, mode="enforce"), policy("fixed", 1, 3600000)
+    twin = new_ident("twin")
+
+    def check_all(names, identity):
+        return conn.execute("SELECT (r).* FROM rl_check_all(%s, %s) r",
+                            (names, identity)).fetchone()
+
+    got = [check_all([enforce, shadow], ident) for _ in range(2)]
+    want = [check_all([enforce], twin) for _ in range(2)]
+    assert got[1] == want[1] == (False, 1, 0, WINDOW_MS, WINDOW_MS)
