@@ -47,6 +47,7 @@
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "pgtime.h"
+#include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/cash.h"
 #include "utils/numeric.h"
@@ -883,6 +884,7 @@ typedef struct RlGuardTrigger
 	Oid			tgoid;
 	Oid			relid;
 	bool		statement;		/* calls rl_guard_statement */
+	NameData	tgname;
 } RlGuardTrigger;
 
 /*
@@ -901,7 +903,7 @@ rl_guard_triggers(FunctionCallInfo fcinfo, bool created, int *n)
 	args[0] = ObjectIdGetDatum(get_func_namespace(fcinfo->flinfo->fn_oid));
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
-	if (SPI_execute_with_args(psprintf("SELECT t.oid, t.tgrelid, p.proname OPERATOR(pg_catalog.=) 'rl_guard_statement'"
+	if (SPI_execute_with_args(psprintf("SELECT t.oid, t.tgrelid, p.proname OPERATOR(pg_catalog.=) 'rl_guard_statement', t.tgname"
 									   "  FROM pg_catalog.pg_trigger t"
 									   "  JOIN pg_catalog.pg_proc p ON p.oid OPERATOR(pg_catalog.=) t.tgfoid"
 									   " WHERE p.pronamespace OPERATOR(pg_catalog.=) $1"
@@ -923,6 +925,8 @@ rl_guard_triggers(FunctionCallInfo fcinfo, bool created, int *n)
 		found[i].tgoid = DatumGetObjectId(SPI_getbinval(tuple, tupdesc, 1, &isnull));
 		found[i].relid = DatumGetObjectId(SPI_getbinval(tuple, tupdesc, 2, &isnull));
 		found[i].statement = DatumGetBool(SPI_getbinval(tuple, tupdesc, 3, &isnull));
+		namestrcpy(&found[i].tgname,
+				   NameStr(*DatumGetName(SPI_getbinval(tuple, tupdesc, 4, &isnull))));
 	}
 	SPI_finish();
 	return found;
@@ -1028,11 +1032,27 @@ rl_guard_problem(FunctionCallInfo fcinfo, Relation rel,
 
 PG_FUNCTION_INFO_V1(rl_guard_check);
 
+/* Adds rl_guard_check()'s row (table, trigger, problem) to rsinfo. */
+static void
+rl_guard_check_row(ReturnSetInfo *rsinfo, const RlGuardTrigger *guard,
+				   const char *problem)
+{
+	Datum		values[3];
+	bool		nulls[3] = {false, false, false};
+
+	values[0] = ObjectIdGetDatum(guard->relid);
+	values[1] = NameGetDatum(&guard->tgname);
+	values[2] = CStringGetTextDatum(problem);
+	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+}
+
 /*
  * rl_guard_check(): one row (table, trigger, problem) per problem of every
  * guard in the database: its kind, then the first problem of its
  * arguments (a policy deleted since, a column dropped, ...). Each table is
- * locked only while its guards are checked.
+ * locked only while its guards are checked, and never waited for: a table
+ * another session holds locked (ACCESS EXCLUSIVE) gets the row "not
+ * checked", since every role may call this.
  */
 Datum
 rl_guard_check(PG_FUNCTION_ARGS)
@@ -1046,29 +1066,31 @@ rl_guard_check(PG_FUNCTION_ARGS)
 	guards = rl_guard_triggers(fcinfo, false, &n);
 	for (i = 0; i < n; i++)
 	{
-		Relation	rel = try_relation_open(guards[i].relid, AccessShareLock);
+		Relation	rel;
 		const Trigger *trigger;
 		int			kind;
 
+		if (!ConditionalLockRelationOid(guards[i].relid, AccessShareLock))
+		{
+			rl_guard_check_row(rsinfo, &guards[i],
+							   "not checked: another session holds a lock on the table");
+			continue;
+		}
+		rel = try_relation_open(guards[i].relid, NoLock);
 		if (rel == NULL)
+		{
+			UnlockRelationOid(guards[i].relid, AccessShareLock);
 			continue;			/* dropped since */
+		}
 		trigger = rl_guard_trigger(rel, guards[i].tgoid);
 		for (kind = 1; trigger != NULL && kind >= 0; kind--)
 		{
 			char	   *problem = rl_guard_problem(fcinfo, rel, trigger,
 												   guards[i].statement,
 												   kind == 1);
-			Datum		values[3];
-			bool		nulls[3] = {false, false, false};
 
-			if (problem == NULL)
-				continue;
-			values[0] = ObjectIdGetDatum(guards[i].relid);
-			values[1] = DirectFunctionCall1(namein,
-											CStringGetDatum(trigger->tgname));
-			values[2] = CStringGetTextDatum(problem);
-			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc,
-								 values, nulls);
+			if (problem != NULL)
+				rl_guard_check_row(rsinfo, &guards[i], problem);
 		}
 		relation_close(rel, AccessShareLock);
 	}
