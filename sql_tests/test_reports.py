@@ -100,6 +100,10 @@ def test_password_wanted(pg, redis_factory):
     message = "could not authenticate to Redis at 127.0.0.1:%d" % r.port
     assert error_report(pg, FIXED, (identity,)) == (
         "08001", message, UNAUTHENTICATED, HINT_PASSWORD, fixed_context(identity))
+    # Redis closes the connection after a protocol error (Valkey 8 a moment
+    # later): the session does not count on it any more, the next call opens
+    # a new one and gets the same kind of failure, never a lost connection
+    assert not own_connection_open(pg)
 
     assert error_report(pg, "SELECT rl_concurrency_acquire(%s, 3, 60000)", (identity,)) == (
         "08001", message, NOAUTH, HINT_PASSWORD,
