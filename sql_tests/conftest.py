@@ -898,7 +898,12 @@ class PgServer:
         return [pid for pid in self.children() if pid in started]
 
     def worker_pid(self, timeout=10.0):
-        """The pid of the one worker (waits for it to run)."""
+        """The pid of the one worker (waits for it to run); when none runs yet,
+        a call under the shared transport starts it first (the first such call
+        of the server makes the queue and registers the worker)."""
+        if not self.worker_pids():
+            with self.connect(transport="shared") as conn:
+                conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)", (new_ident("start"),))
         pids = wait_for(lambda: self.worker_pids(), timeout, "the rl_redis worker")
         assert len(pids) == 1, pids
         return pids[0]
@@ -975,6 +980,7 @@ def shared_server():
     try:
         redis = factory()
         server = PgServer(redis, max_connections=150)
+        server.worker_pid()
         with server.connect(transport="shared") as conn:
             assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",
                                 (new_ident("warm"),)).fetchone()[0] is True

@@ -909,6 +909,7 @@ def test_worker_reconnects(clusters):
     pipeline), Redis restarted, CLIENT KILL of every client: the next calls
     decide exactly, all through the worker (no session connects)."""
     server, redis = clusters()
+    server.worker_pid()  # a first call under the shared transport starts it
     conns = [server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS) for _ in range(4)]
     base = new_ident("reconnect")
     reset = 60000 - TEST_CLOCK_MS % 60000
@@ -1029,6 +1030,7 @@ def test_worker_idle_timeout(clusters):
     a loaded machine's pause between a call and the look at CLIENT LIST
     does not close the connection in between.)"""
     server, redis = clusters(idle_timeout=5000)
+    server.worker_pid()  # a first call under the shared transport starts it
     conn = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
 
     def call_then_look(remaining):
@@ -1098,6 +1100,7 @@ def test_cancel_and_timeouts_with_redis_paused(clusters, capsys):
     SIGCONT the session's next calls return its own decisions (lim 777),
     not a reply of an abandoned call (lim 5)."""
     server, redis = clusters(command_timeout=30000, connect_timeout=30000)
+    server.worker_pid()  # a first call under the shared transport starts it
     admin = server.connect()
     conn = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
     pid = conn.info.backend_pid
@@ -1171,6 +1174,7 @@ def test_worker_killed_while_calls_wait(clusters):
     (it looks every 100 ms) before a new one could take its call, and the
     test waits longer than that anyway."""
     server, redis = clusters(command_timeout=30000, connect_timeout=30000)
+    server.worker_pid()  # a first call under the shared transport starts it
     admin = server.connect()
     a = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
     b = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
@@ -1322,6 +1326,7 @@ def test_queue_full_falls_back(clusters):
     again (no new connection)."""
     server, redis = clusters(shared_queue_size=16, command_timeout=30000, connect_timeout=30000,
                               max_connections=40)
+    server.worker_pid()  # a first call under the shared transport starts it
     admin = server.connect()
     assert admin.execute("SHOW rl_redis.shared_queue_size").fetchone()[0] == "16"
     conns = [server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS) for _ in range(24)]
@@ -1367,6 +1372,88 @@ def test_queue_full_falls_back(clusters):
 
 
 # ---------------------------------------------------------------- no worker
+
+
+def queue_memory(conn):
+    """Bytes of the main shared memory named for the shared queue."""
+    return conn.execute("SELECT coalesce(sum(size), 0)::bigint FROM pg_shmem_allocations "
+                        "WHERE name = 'rl_redis shared queue'").fetchone()[0]
+
+
+def test_worker_and_queue_only_with_the_shared_transport(clusters):
+    """A preloaded server whose configuration keeps transport = backend has
+    no worker and no queue (16 bytes of the main shared memory, the queue's
+    handle, where the 256 entries took 3.3 MB), whatever its sessions decide. The
+    first call under transport = shared starts both: it decides exactly on
+    its own connection (logged once, as a start, not as a missing worker);
+    a new session's calls then go through the one worker. After a crash
+    restart the postmaster starts that worker again, which makes the queue
+    again: one worker, and the calls go through it."""
+    server, redis = clusters()
+    admin = server.connect()
+    try:
+        ident = new_ident("ondemand")
+        reset = 60000 - TEST_CLOCK_MS % 60000
+        backend = server.connect(test_clock_ms=TEST_CLOCK_MS)
+        assert [explicit(backend, a, ident + a, 5, 60000)[:3]
+                for a in ("fixed", "sliding", "gcra")] == [(True, 5, 4)] * 3
+        backend.close()
+        time.sleep(0.3)  # a worker started at server start runs well within it
+        assert server.worker_pids() == []
+        assert queue_memory(admin) == 16
+
+        first = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
+        rows = [explicit(first, "fixed", ident, 2, 60000) for _ in range(3)]
+        assert rows == [(True, 2, 1, reset, 0), (True, 2, 0, reset, 0), (False, 2, 0, reset, reset)]
+        worker = server.worker_pid()
+        log = server.log()
+        assert log.count("starting the rl_redis worker for rl_redis.transport = shared") == 1, log
+        assert "the rl_redis worker is not running" not in log
+        second = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
+        assert explicit(second, "fixed", ident + ":2", 2, 60000) == (True, 2, 1, reset, 0)
+        assert not own_connection_open(second)
+        assert server.clients() == {worker: 1, first.info.backend_pid: 1}
+        first.close()
+        second.close()
+
+        # a crash restart: every process ends, the registered worker comes back
+        victim = server.connect()
+        os.kill(victim.info.backend_pid, signal.SIGKILL)
+        wait_for(lambda: worker not in server.children(), 30.0, "the crash restart")
+        again = wait_for(lambda: server.worker_pids(), 30.0, "the worker after the crash restart")
+        assert len(again) == 1 and again != [worker], again
+        third = wait_for(lambda: try_connect(server), 30.0, "a session after the crash restart")
+        try:
+            set_gucs(third, transport="shared", test_clock_ms=TEST_CLOCK_MS)
+            assert explicit(third, "fixed", ident + ":3", 2, 60000) == (True, 2, 1, reset, 0)
+            assert not own_connection_open(third)
+            time.sleep(0.3)
+            assert server.worker_pids() == again
+        finally:
+            third.close()
+    finally:
+        admin.close()
+
+
+def try_connect(server):
+    """A new session of server, or None while it restarts."""
+    try:
+        conn = server.connect()
+        conn.execute("SELECT 1")
+        return conn
+    except psycopg.OperationalError:
+        return None
+
+
+def test_worker_starts_with_a_server_configured_for_it(clusters):
+    """rl_redis.transport = shared in postgresql.conf: the worker runs as
+    the server starts, before any call; with mode = cluster too, it does
+    not (the shared transport serves standalone Redis only)."""
+    server, redis = clusters(transport="shared")
+    assert len(wait_for(lambda: server.worker_pids(), 10.0, "the rl_redis worker")) == 1
+    server, redis = clusters(transport="shared", mode="cluster")
+    time.sleep(0.3)
+    assert server.worker_pids() == []
 
 
 def test_without_worker_uses_own_connection(unpreloaded_cluster, shared_redis):
@@ -1423,6 +1510,7 @@ def test_calls_the_worker_never_sent_queue_no_release(clusters):
     release, and its next call opened its own connection because of it, a
     connection storm in an outage)."""
     server, redis = clusters(retry_interval=60000)
+    server.worker_pid()  # a first call under the shared transport starts it
     conn = server.connect(transport="shared", on_error="allow", retry_interval=0)
     try:
         assert conn.execute("SELECT rl_fixed_allow(%s, 5, 60000)",

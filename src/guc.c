@@ -759,7 +759,7 @@ rl_define_gucs(void)
 	 */
 	DefineCustomIntVariable("rl_redis.shared_queue_size",
 							"The number of calls the shared queue of rl_redis.transport = shared holds at once.",
-							"Each slot takes about 13 kB of shared memory. Only with the library in shared_preload_libraries, read at server start.",
+							"Each slot takes about 13 kB of shared memory, taken when the shared transport is first used. Only with the library in shared_preload_libraries, read at server start.",
 							&rl_shared_queue_size,
 							256, 16, 8192,
 							process_shared_preload_libraries_in_progress ? PGC_POSTMASTER : PGC_SIGHUP,
@@ -855,10 +855,10 @@ rl_define_gucs(void)
 							NULL, NULL, NULL);
 
 	/*
-	 * The worker is registered, with this restart time, while the library
-	 * is preloaded; loaded later, there is no worker and the setting is
-	 * defined as reloadable (and without effect), as
-	 * rl_redis.shared_queue_size is.
+	 * The worker is registered, with this restart time, when the library is
+	 * preloaded (at server start, or when the shared transport is first
+	 * used); loaded later, there is no worker and the setting is defined as
+	 * reloadable (and without effect), as rl_redis.shared_queue_size is.
 	 */
 	DefineCustomIntVariable("rl_redis.worker_restart_interval",
 							"For tests: how soon the postmaster starts the rl_redis worker again after it exited.",

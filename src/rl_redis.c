@@ -20,7 +20,6 @@ _PG_init(void)
 	rl_stats_init();
 	rl_deny_cache_init();
 	rl_shared_queue_init();
-	rl_worker_register();
 	rl_policy_init();
 	rl_xact_end_init();
 }

@@ -652,7 +652,7 @@ extern redisReply *rl_shared_call(RlConn *own, const RlScript *script,
 								  uint64 settings, RlFailure *failure,
 								  bool *used);
 extern bool rl_shared_defer(const RlDeferred *work, uint64 settings);
-extern void rl_shared_worker_start(uint64 settings);
+extern bool rl_shared_worker_start(uint64 settings);
 extern void rl_shared_worker_settings(uint64 settings);
 extern void rl_shared_worker_stop(void);
 extern int	rl_shared_entries(void);
@@ -665,7 +665,6 @@ extern void rl_shared_complete(int i, const redisReply *reply,
 							   const RlFailure *failure, bool sent);
 
 /* the rl_redis worker (worker.c) */
-extern void rl_worker_register(void);
 
 /* who is being throttled (denials.c) */
 extern void rl_note_denial(const char *policy, text *identity);

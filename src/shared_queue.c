@@ -3,8 +3,13 @@
  *	  The queue in shared memory between the sessions and the rl_redis
  *	  worker (rl_redis.transport = shared).
  *
- * With the library preloaded, shared memory holds rl_redis.shared_queue_size
- * entries. A session that makes a script call under rl_redis.transport =
+ * The queue is a dynamic shared memory segment of rl_redis.shared_queue_size
+ * entries, made by the worker as it starts (the library preloaded and
+ * rl_redis.transport = shared in the configuration files: with the server)
+ * or by the first call under the shared transport, which then asks the
+ * postmaster to start the worker and uses its session's own connection.
+ * Until then a server takes neither (its main shared memory holds only the
+ * segment's handle). A session that makes a script call under rl_redis.transport =
  * shared claims a free entry, writes the call into it (the script's id, its
  * arguments), marks it queued and sets the worker's latch; then it waits on
  * its own latch for the reply, which the worker writes into the entry in the
@@ -44,6 +49,8 @@
 #include "miscadmin.h"
 #include "common/hashfn.h"
 #include "pgstat.h"
+#include "postmaster/bgworker.h"
+#include "storage/dsm.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "storage/lwlock.h"
@@ -111,6 +118,8 @@ typedef struct RlEntry
 typedef struct RlQueue
 {
 	pg_atomic_uint64 worker_gen;	/* 0: no worker runs */
+	pg_atomic_uint32 worker_claimed;	/* a worker process serves the queue */
+	bool		worker_registered;	/* the postmaster starts one (lock) */
 	pg_atomic_uint64 workers_started;
 	pg_atomic_uint64 worker_settings;	/* hash of its connection settings */
 	PGPROC	   *worker_proc;
@@ -118,6 +127,20 @@ typedef struct RlQueue
 	RlEntry		entries[FLEXIBLE_ARRAY_MEMBER];
 } RlQueue;
 
+/*
+ * What the main shared memory holds (the library preloaded): the handle of
+ * the queue's segment, made on first use, and the lock under which it is
+ * made and the worker registered.
+ */
+typedef struct RlQueueControl
+{
+	LWLock	   *lock;
+	dsm_handle	handle;			/* DSM_HANDLE_INVALID: not made yet */
+} RlQueueControl;
+
+static RlQueueControl *control = NULL;
+
+/* the queue, once this process mapped it (rl_queue_attach) */
 static RlQueue *queue = NULL;
 
 /* this process is the worker: its own calls never go through the queue */
@@ -138,7 +161,7 @@ static bool large_logged = false;
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 
-/* The size of the queue in shared memory. */
+/* The size of the queue's segment. */
 static Size
 rl_queue_size(void)
 {
@@ -146,43 +169,67 @@ rl_queue_size(void)
 					mul_size(sizeof(RlEntry), rl_shared_queue_size));
 }
 
-/* Asks the postmaster for the queue's shared memory. */
+/* Asks the postmaster for the queue's handle and lock in shared memory. */
 static void
 rl_queue_shmem_request(void)
 {
 	if (prev_shmem_request_hook)
 		prev_shmem_request_hook();
-	RequestAddinShmemSpace(MAXALIGN(rl_queue_size()));
+	RequestAddinShmemSpace(MAXALIGN(sizeof(RlQueueControl)));
+	RequestNamedLWLockTranche("rl_redis shared queue", 1);
 }
 
-/* Makes (or attaches to) the queue. */
+/* Makes (or attaches to) the queue's handle; no queue is made yet. */
 static void
 rl_queue_shmem_startup(void)
 {
 	bool		found;
-	int			i;
 
 	if (prev_shmem_startup_hook)
 		prev_shmem_startup_hook();
 	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
-	queue = ShmemInitStruct("rl_redis shared queue", rl_queue_size(), &found);
+	control = ShmemInitStruct("rl_redis shared queue", sizeof(RlQueueControl),
+							  &found);
 	if (!found)
 	{
-		memset(queue, 0, offsetof(RlQueue, entries));
-		pg_atomic_init_u64(&queue->worker_gen, 0);
-		pg_atomic_init_u64(&queue->workers_started, 0);
-		pg_atomic_init_u64(&queue->worker_settings, 0);
-		queue->nentries = rl_shared_queue_size;
-		for (i = 0; i < queue->nentries; i++)
-		{
-			SpinLockInit(&queue->entries[i].mutex);
-			queue->entries[i].state = RL_ENTRY_FREE;
-		}
+		control->lock = &(GetNamedLWLockTranche("rl_redis shared queue"))->lock;
+		control->handle = DSM_HANDLE_INVALID;
 	}
 	LWLockRelease(AddinShmemInitLock);
 }
 
-/* Installs the shared-memory hooks when the library is being preloaded. */
+/*
+ * Registers the worker with the postmaster: at server start (from
+ * _PG_init), or later (dynamic) from a session; restarted
+ * rl_redis.worker_restart_interval after it exits with an error. False when
+ * no background worker slot is free (later only).
+ */
+static bool
+rl_register_worker(bool at_start)
+{
+	BackgroundWorker worker;
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS;
+	worker.bgw_start_time = BgWorkerStart_PostmasterStart;
+	worker.bgw_restart_time = rl_worker_restart_interval;
+	snprintf(worker.bgw_library_name, BGW_MAXLEN, "rl_redis");
+	snprintf(worker.bgw_function_name, BGW_MAXLEN, "rl_worker_main");
+	snprintf(worker.bgw_name, BGW_MAXLEN, "rl_redis worker");
+	snprintf(worker.bgw_type, BGW_MAXLEN, "rl_redis worker");
+	if (!at_start)
+		return RegisterDynamicBackgroundWorker(&worker, NULL);
+	RegisterBackgroundWorker(&worker);
+	return true;
+}
+
+/*
+ * Installs the shared-memory hooks when the library is being preloaded,
+ * and registers the worker, which makes the queue as it starts, when the
+ * configuration files set rl_redis.transport = shared for the whole server
+ * (in standalone mode: the only one the shared transport serves); else the
+ * first call under the shared transport makes both.
+ */
 void
 rl_shared_queue_init(void)
 {
@@ -192,6 +239,103 @@ rl_shared_queue_init(void)
 	shmem_request_hook = rl_queue_shmem_request;
 	prev_shmem_startup_hook = shmem_startup_hook;
 	shmem_startup_hook = rl_queue_shmem_startup;
+	if (rl_transport == RL_TRANSPORT_SHARED && rl_mode == RL_MODE_STANDALONE)
+		(void) rl_register_worker(true);
+}
+
+/* Fills a new queue: every entry free, no worker. */
+static void
+rl_queue_fill(RlQueue *q)
+{
+	int			i;
+
+	memset(q, 0, offsetof(RlQueue, entries));
+	pg_atomic_init_u64(&q->worker_gen, 0);
+	pg_atomic_init_u64(&q->workers_started, 0);
+	pg_atomic_init_u64(&q->worker_settings, 0);
+	pg_atomic_init_u32(&q->worker_claimed, 0);
+	q->worker_registered = false;
+	q->nentries = rl_shared_queue_size;
+	for (i = 0; i < q->nentries; i++)
+	{
+		SpinLockInit(&q->entries[i].mutex);
+		q->entries[i].state = RL_ENTRY_FREE;
+	}
+}
+
+/*
+ * Maps the queue into this process for the rest of its life, making it
+ * first when make is set and no session made it since the server started
+ * (its segment stays until the server stops or restarts after a crash);
+ * false when there is none (the library not preloaded, the queue not made,
+ * or no segment left). Only a call and the worker's start come here: a
+ * transaction end uses the queue only when its session mapped it before.
+ * Raises when the segment cannot be made or mapped (no memory).
+ */
+static bool
+rl_queue_attach(bool make)
+{
+	dsm_segment *seg = NULL;
+
+	if (queue != NULL)
+		return true;
+	if (control == NULL)
+		return false;
+	LWLockAcquire(control->lock, LW_EXCLUSIVE);
+	if (control->handle != DSM_HANDLE_INVALID)
+		seg = dsm_attach(control->handle);
+	else if (make)
+	{
+		seg = dsm_create(rl_queue_size(), DSM_CREATE_NULL_IF_MAXSEGMENTS);
+		if (seg != NULL)
+		{
+			rl_queue_fill(dsm_segment_address(seg));
+			dsm_pin_segment(seg);
+			control->handle = dsm_segment_handle(seg);
+		}
+	}
+	if (seg != NULL)
+	{
+		dsm_pin_mapping(seg);
+		queue = dsm_segment_address(seg);
+	}
+	LWLockRelease(control->lock);
+	return queue != NULL;
+}
+
+/*
+ * Asks the postmaster to start the worker, once per queue: the first call
+ * under the shared transport of a server that did not start it with
+ * itself (see rl_shared_queue_init) does; until it runs, calls use their
+ * session's own connection. True when this call asked (or tried: no
+ * background worker slot free, said with a hint).
+ */
+static bool
+rl_queue_start_worker(void)
+{
+	bool		registered;
+
+	LWLockAcquire(control->lock, LW_EXCLUSIVE);
+	registered = queue->worker_registered;
+	queue->worker_registered = true;
+	LWLockRelease(control->lock);
+	if (registered)
+		return false;
+
+	if (rl_register_worker(false))
+	{
+		ereport(LOG,
+				(errmsg("rl_redis: starting the rl_redis worker for rl_redis.transport = shared; this session's calls use its own connection until it runs")));
+		return true;
+	}
+
+	LWLockAcquire(control->lock, LW_EXCLUSIVE);
+	queue->worker_registered = false;
+	LWLockRelease(control->lock);
+	ereport(LOG,
+			(errmsg("rl_redis: could not start the rl_redis worker: no background worker slot is free; this session's calls use its own connection"),
+			 errhint("Raise max_worker_processes.")));
+	return true;
 }
 
 /*
@@ -328,6 +472,8 @@ rl_give_up_deferred(void)
 {
 	int			i;
 
+	if (queue == NULL)
+		return;
 	for (i = 0; i < queue->nentries; i++)
 	{
 		RlEntry	   *entry = &queue->entries[i];
@@ -534,11 +680,19 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	void	   *reply = NULL;
 
 	*used = false;
+	if (rl_transport == RL_TRANSPORT_SHARED && !am_worker &&
+		rl_topology()->one_server)
+		(void) rl_queue_attach(true);
 	if (!rl_shared_usable(settings, &gen, &worker))
 	{
-		/* a worker that should be there and is not: said once per session */
+		/* the first call starts the worker; one that should run and does
+		 * not is said once per session */
 		if (rl_transport == RL_TRANSPORT_SHARED && queue != NULL && !am_worker &&
-			pg_atomic_read_u64(&queue->worker_gen) == 0 && !no_worker_logged)
+			pg_atomic_read_u64(&queue->worker_gen) == 0 &&
+			rl_topology()->one_server && rl_queue_start_worker())
+			no_worker_logged = true;
+		else if (rl_transport == RL_TRANSPORT_SHARED && queue != NULL && !am_worker &&
+				 pg_atomic_read_u64(&queue->worker_gen) == 0 && !no_worker_logged)
 		{
 			ereport(LOG,
 					(errmsg("rl_redis: the rl_redis worker is not running; this session's calls use its own connection meanwhile")));
@@ -677,6 +831,8 @@ rl_shared_defer(const RlDeferred *work, uint64 settings)
 void
 rl_shared_defer_wait(TimestampTz deadline)
 {
+	if (queue == NULL)
+		return;
 	for (;;)
 	{
 		int			pending = 0;
@@ -715,18 +871,34 @@ rl_shared_defer_wait(TimestampTz deadline)
 }
 
 /*
- * The worker starts: records its process and connection settings
+ * The worker starts: maps the queue (making it, the first time after a
+ * server start or crash), records its process and connection settings
  * (rl_settings_hash), then its number, which tells the sessions it runs.
+ * False when another worker serves the queue already (after a crash, the
+ * postmaster restarts a worker that a session registered, and a session
+ * may have registered another meanwhile).
  */
-void
+bool
 rl_shared_worker_start(uint64 settings)
 {
+	uint32		unclaimed = 0;
+
+	if (!rl_queue_attach(true))
+		ereport(ERROR,
+				(errcode(ERRCODE_INSUFFICIENT_RESOURCES),
+				 errmsg("could not make the rl_redis shared queue: too many dynamic shared memory segments")));
+	LWLockAcquire(control->lock, LW_EXCLUSIVE);
+	queue->worker_registered = true;
+	LWLockRelease(control->lock);
+	if (!pg_atomic_compare_exchange_u32(&queue->worker_claimed, &unclaimed, 1))
+		return false;
 	am_worker = true;
 	queue->worker_proc = MyProc;
 	pg_atomic_write_u64(&queue->worker_settings, settings);
 	pg_write_barrier();
 	pg_atomic_write_u64(&queue->worker_gen,
 						pg_atomic_add_fetch_u64(&queue->workers_started, 1));
+	return true;
 }
 
 /* The worker's connection settings changed (a reload). */
@@ -745,6 +917,8 @@ rl_shared_worker_stop(void)
 {
 	int			i;
 
+	if (!am_worker)
+		return;
 	pg_atomic_write_u64(&queue->worker_gen, 0);
 	for (i = 0; i < queue->nentries; i++)
 	{
@@ -782,6 +956,7 @@ rl_shared_worker_stop(void)
 		if (owner != NULL)
 			SetLatch(&owner->procLatch);
 	}
+	pg_atomic_write_u32(&queue->worker_claimed, 0);
 }
 
 /* The number of entries, for the worker's arrays. */

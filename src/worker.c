@@ -4,8 +4,10 @@
  *	  sends the sessions' script calls on its own connection, pipelined
  *	  (rl_redis.transport = shared).
  *
- * Registered when the library is preloaded; it opens no connection until a
- * session hands it a call. Each round it takes every call queued in shared
+ * Started with the server when the configuration files set
+ * rl_redis.transport = shared, else by the first call under the shared
+ * transport (shared_queue.c); it opens no connection until a session hands
+ * it a call. Each round it takes every call queued in shared
  * memory (shared_queue.c) and sends them with rl_call_many, one pipeline
  * per Redis node, so that the calls of many sessions share one write, one
  * read and one wake-up of Redis, and the server holds one connection per
@@ -17,7 +19,9 @@
  *
  * If it exits, the calls it had taken fail (on_error applies in their
  * sessions), those still queued are sent by their sessions, and the
- * postmaster starts it again after rl_redis.worker_restart_interval.
+ * postmaster starts it again after rl_redis.worker_restart_interval. One
+ * that finds nothing to serve (see rl_shared_worker_start) exits with code
+ * 0, which the postmaster takes for good.
  */
 #include "postgres.h"
 
@@ -39,29 +43,6 @@
 #define RL_WORKER_NAP_MS 1000
 
 PGDLLEXPORT void rl_worker_main(Datum arg);
-
-/*
- * Registers the worker, restarted rl_redis.worker_restart_interval after it
- * exits; called from _PG_init while preloading, after the settings are
- * defined.
- */
-void
-rl_worker_register(void)
-{
-	BackgroundWorker worker;
-
-	if (!process_shared_preload_libraries_in_progress)
-		return;
-	memset(&worker, 0, sizeof(worker));
-	worker.bgw_flags = BGWORKER_SHMEM_ACCESS;
-	worker.bgw_start_time = BgWorkerStart_PostmasterStart;
-	worker.bgw_restart_time = rl_worker_restart_interval;
-	snprintf(worker.bgw_library_name, BGW_MAXLEN, "rl_redis");
-	snprintf(worker.bgw_function_name, BGW_MAXLEN, "rl_worker_main");
-	snprintf(worker.bgw_name, BGW_MAXLEN, "rl_redis worker");
-	snprintf(worker.bgw_type, BGW_MAXLEN, "rl_redis worker");
-	RegisterBackgroundWorker(&worker);
-}
 
 /* On exit: the calls taken fail, no session sends more. */
 static void
@@ -173,7 +154,12 @@ rl_worker_main(Datum arg)
 	pgstat_report_appname("rl_redis worker");
 
 	before_shmem_exit(rl_worker_exit, (Datum) 0);
-	rl_shared_worker_start(rl_settings_hash());
+	if (!rl_shared_worker_start(rl_settings_hash()))
+	{
+		ereport(LOG,
+				(errmsg("rl_redis worker exits: another one serves the shared queue")));
+		proc_exit(0);
+	}
 	ereport(LOG,
 			(errmsg("rl_redis worker started with %d queue entries",
 					rl_shared_entries())));
