@@ -1382,7 +1382,7 @@ def queue_memory(conn):
 
 def test_worker_and_queue_only_with_the_shared_transport(clusters):
     """A preloaded server whose configuration keeps transport = backend has
-    no worker and no queue (16 bytes of the main shared memory, the queue's
+    no worker and no queue (24 bytes of the main shared memory, the queue's
     handle, where the 256 entries took 3.3 MB), whatever its sessions decide. The
     first call under transport = shared starts both: it decides exactly on
     its own connection (logged once, as a start, not as a missing worker);
@@ -1400,7 +1400,7 @@ def test_worker_and_queue_only_with_the_shared_transport(clusters):
         backend.close()
         time.sleep(0.3)  # a worker started at server start runs well within it
         assert server.worker_pids() == []
-        assert queue_memory(admin) == 16
+        assert queue_memory(admin) == 24
 
         first = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
         rows = [explicit(first, "fixed", ident, 2, 60000) for _ in range(3)]
@@ -1454,6 +1454,65 @@ def test_worker_starts_with_a_server_configured_for_it(clusters):
     server, redis = clusters(transport="shared", mode="cluster")
     time.sleep(0.3)
     assert server.worker_pids() == []
+
+
+def restart_with(server, **settings):
+    """Restarts server with settings (name = value) added to its configuration."""
+    server.stop()
+    with open(os.path.join(server.datadir, "postgresql.conf"), "a") as f:
+        for name, value in settings.items():
+            f.write("%s = '%s'\n" % (name, value))
+    server.start()
+
+
+def test_no_worker_slot_is_said_once(clusters):
+    """max_worker_processes = 0: a call under the shared transport cannot
+    start the worker. 20 calls of two sessions decide exactly on their own
+    connections; the log says it once (with the hint), not once a call."""
+    server, redis = clusters()
+    restart_with(server, max_worker_processes=0)
+    ident = new_ident("noslot")
+    reset = 60000 - TEST_CLOCK_MS % 60000
+    for k in range(2):
+        conn = server.connect(transport="shared", test_clock_ms=TEST_CLOCK_MS)
+        try:
+            rows = [explicit(conn, "fixed", "%s:%d" % (ident, k), 10, 60000)[:3] for _ in range(10)]
+            assert rows == [(True, 10, 9 - i) for i in range(10)]
+            assert own_connection_open(conn)
+        finally:
+            conn.close()
+    log = server.log()
+    assert log.count("could not start the rl_redis worker: no background worker slot is free") == 1, log
+    assert log.count("HINT:  Raise max_worker_processes.") == 1, log
+    assert server.worker_pids() == []
+
+
+def test_queue_that_cannot_be_made_is_no_error(clusters):
+    """Dynamic shared memory in files of pg_dynshmem, which the server may
+    no longer write: the worker cannot make the queue (it fails, and the
+    postmaster tries again). A session's calls under the shared transport
+    never see it: exact decisions on their own connection, no error, the
+    worker asked for once."""
+    server, redis = clusters()
+    restart_with(server, dynamic_shared_memory_type="mmap")
+    dynshmem = os.path.join(server.datadir, "pg_dynshmem")
+    os.chmod(dynshmem, 0o500)
+    try:
+        conn = server.connect(transport="shared", on_error="error", test_clock_ms=TEST_CLOCK_MS)
+        try:
+            ident = new_ident("nodsm")
+            reset = 60000 - TEST_CLOCK_MS % 60000
+            rows = [explicit(conn, "fixed", ident, 2, 60000) for _ in range(3)]
+            assert rows == [(True, 2, 1, reset, 0), (True, 2, 0, reset, 0), (False, 2, 0, reset, reset)]
+            assert own_connection_open(conn)
+            wait_for(lambda: "pg_dynshmem" in server.log(), 10.0, "the worker's failure")
+            assert explicit(conn, "fixed", ident + ":2", 2, 60000) == (True, 2, 1, reset, 0)
+        finally:
+            conn.close()
+        assert server.log().count("starting the rl_redis worker") == 1
+        assert server.worker_pids() == []
+    finally:
+        os.chmod(dynshmem, 0o700)
 
 
 def test_without_worker_uses_own_connection(unpreloaded_cluster, shared_redis):

@@ -21,15 +21,10 @@
  * Fills failure from a Redis error reply and frees the reply. A refused
  * authentication is a connection failure (08001); anything else Redis
  * refuses (OOM, READONLY, WRONGTYPE, NOPERM ...) is reported with its text.
- * Redis closes the connection after "ERR Protocol error" (Valkey a moment
- * after the reply): the connection is not counted on any more, the next
- * call opens a new one.
  */
 void
 rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 {
-	if (strncmp(reply->str, "ERR Protocol error", 18) == 0)
-		conn->ready = false;
 	if (rl_classify_error(reply->str, conn->host, NULL) == RL_REPLY_AUTH)
 		rl_fail(failure, RL_FAILURE_AUTH,
 				ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,

@@ -42,7 +42,8 @@ struct RlConn
 	uint64		settings_seen;	/* settings_version when last compared */
 	uint32		scripts_loaded; /* bit per RlScript.id: known loaded on the
 								 * server since this connection was made */
-	volatile sig_atomic_t shut; /* the idle timeout shut its socket down */
+	volatile sig_atomic_t shut; /* not to be used again: the idle timeout
+								 * shut its socket down, or Redis closes it */
 	bool		got_redirected; /* work moved here from another node's queue */
 	pgsocket	sock;			/* PGINVALID_SOCKET when there is none */
 	bool		fd_acquired;	/* we hold an external-FD slot for sock */

@@ -211,7 +211,10 @@ rl_write(RlConn *conn, const char *buf, size_t len, size_t *done,
  * What has come is read before any wait, so a deadline already passed
  * takes only that. With patient, a deadline that passes is not an error:
  * NULL with failure->sqlerrcode 0, the connection kept (a partial reply
- * stays in the reader, to be completed by the next read).
+ * stays in the reader, to be completed by the next read). Redis closes the
+ * connection after the error reply "ERR Protocol error" (Valkey a moment
+ * after it): the connection that read it is not counted on any more, its
+ * next call opens a new one.
  */
 redisReply *
 rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
@@ -234,9 +237,14 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 		}
 		if (reply != NULL)
 		{
+			redisReply *r = (redisReply *) reply;
+
 			conn->replies_read++;
 			conn->stalled_since = 0;
-			return (redisReply *) reply;
+			if (r->type == REDIS_REPLY_ERROR &&
+				strncmp(r->str, "ERR Protocol error", 18) == 0)
+				conn->shut = true;
+			return r;
 		}
 
 		/* (TLS may hold decrypted bytes that the socket no longer shows) */

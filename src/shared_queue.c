@@ -4,12 +4,12 @@
  *	  worker (rl_redis.transport = shared).
  *
  * The queue is a dynamic shared memory segment of rl_redis.shared_queue_size
- * entries, made by the worker as it starts (the library preloaded and
- * rl_redis.transport = shared in the configuration files: with the server)
- * or by the first call under the shared transport, which then asks the
- * postmaster to start the worker and uses its session's own connection.
- * Until then a server takes neither (its main shared memory holds only the
- * segment's handle). A session that makes a script call under rl_redis.transport =
+ * entries, made by the worker as it starts: with the server when the
+ * library is preloaded and the configuration files set rl_redis.transport
+ * = shared, else when the first call under the shared transport asks the
+ * postmaster to start it (that call, and the others until the worker runs,
+ * use their session's own connection). Until then a server takes neither
+ * (its main shared memory holds only the segment's handle). A session that makes a script call under rl_redis.transport =
  * shared claims a free entry, writes the call into it (the script's id, its
  * arguments), marks it queued and sets the worker's latch; then it waits on
  * its own latch for the reply, which the worker writes into the entry in the
@@ -119,7 +119,6 @@ typedef struct RlQueue
 {
 	pg_atomic_uint64 worker_gen;	/* 0: no worker runs */
 	pg_atomic_uint32 worker_claimed;	/* a worker process serves the queue */
-	bool		worker_registered;	/* the postmaster starts one (lock) */
 	pg_atomic_uint64 workers_started;
 	pg_atomic_uint64 worker_settings;	/* hash of its connection settings */
 	PGPROC	   *worker_proc;
@@ -129,14 +128,22 @@ typedef struct RlQueue
 
 /*
  * What the main shared memory holds (the library preloaded): the handle of
- * the queue's segment, made on first use, and the lock under which it is
- * made and the worker registered.
+ * the queue's segment, which the worker makes as it starts, and whether a
+ * worker was registered; the lock is taken to change them.
  */
 typedef struct RlQueueControl
 {
 	LWLock	   *lock;
 	dsm_handle	handle;			/* DSM_HANDLE_INVALID: not made yet */
+	bool		worker_registered;	/* the postmaster starts (or runs) one */
+	TimestampTz register_failed;	/* when registering it last failed */
 } RlQueueControl;
+
+/* how long after a failed registration of the worker no call tries again */
+#define RL_REGISTER_RETRY_MS 10000
+
+/* the worker was registered with the server (set in the postmaster) */
+static bool worker_at_start = false;
 
 static RlQueueControl *control = NULL;
 
@@ -179,7 +186,10 @@ rl_queue_shmem_request(void)
 	RequestNamedLWLockTranche("rl_redis shared queue", 1);
 }
 
-/* Makes (or attaches to) the queue's handle; no queue is made yet. */
+/*
+ * Makes (or attaches to) the queue's handle, at server start and after a
+ * crash; no queue is made yet.
+ */
 static void
 rl_queue_shmem_startup(void)
 {
@@ -194,6 +204,8 @@ rl_queue_shmem_startup(void)
 	{
 		control->lock = &(GetNamedLWLockTranche("rl_redis shared queue"))->lock;
 		control->handle = DSM_HANDLE_INVALID;
+		control->worker_registered = worker_at_start;
+		control->register_failed = 0;
 	}
 	LWLockRelease(AddinShmemInitLock);
 }
@@ -240,7 +252,7 @@ rl_shared_queue_init(void)
 	prev_shmem_startup_hook = shmem_startup_hook;
 	shmem_startup_hook = rl_queue_shmem_startup;
 	if (rl_transport == RL_TRANSPORT_SHARED && rl_mode == RL_MODE_STANDALONE)
-		(void) rl_register_worker(true);
+		worker_at_start = rl_register_worker(true);
 }
 
 /* Fills a new queue: every entry free, no worker. */
@@ -249,12 +261,11 @@ rl_queue_fill(RlQueue *q)
 {
 	int			i;
 
-	memset(q, 0, offsetof(RlQueue, entries));
+	memset(q, 0, rl_queue_size());
 	pg_atomic_init_u64(&q->worker_gen, 0);
 	pg_atomic_init_u64(&q->workers_started, 0);
 	pg_atomic_init_u64(&q->worker_settings, 0);
 	pg_atomic_init_u32(&q->worker_claimed, 0);
-	q->worker_registered = false;
 	q->nentries = rl_shared_queue_size;
 	for (i = 0; i < q->nentries; i++)
 	{
@@ -264,13 +275,14 @@ rl_queue_fill(RlQueue *q)
 }
 
 /*
- * Maps the queue into this process for the rest of its life, making it
- * first when make is set and no session made it since the server started
- * (its segment stays until the server stops or restarts after a crash);
- * false when there is none (the library not preloaded, the queue not made,
- * or no segment left). Only a call and the worker's start come here: a
+ * Maps the queue into this process for the rest of its life; make is the
+ * worker's: it makes the queue when none was made since the server started
+ * (its segment stays until the server stops or restarts after a crash).
+ * False when there is none (the library not preloaded, the queue not made
+ * yet, or no segment left). Only a call and the worker's start come here: a
  * transaction end uses the queue only when its session mapped it before.
- * Raises when the segment cannot be made or mapped (no memory).
+ * Raises when the segment cannot be made or mapped (no memory): a session
+ * only maps a segment the worker made.
  */
 static bool
 rl_queue_attach(bool make)
@@ -279,7 +291,8 @@ rl_queue_attach(bool make)
 
 	if (queue != NULL)
 		return true;
-	if (control == NULL)
+	/* (read unlocked: a call does not wait on the lock while none is made) */
+	if (control == NULL || (!make && control->handle == DSM_HANDLE_INVALID))
 		return false;
 	LWLockAcquire(control->lock, LW_EXCLUSIVE);
 	if (control->handle != DSM_HANDLE_INVALID)
@@ -304,22 +317,30 @@ rl_queue_attach(bool make)
 }
 
 /*
- * Asks the postmaster to start the worker, once per queue: the first call
- * under the shared transport of a server that did not start it with
- * itself (see rl_shared_queue_init) does; until it runs, calls use their
- * session's own connection. True when this call asked (or tried: no
- * background worker slot free, said with a hint).
+ * Asks the postmaster to start the worker, which makes the queue: the
+ * first call under the shared transport of a server that did not start it
+ * with itself (see rl_shared_queue_init) does; until it runs, calls use
+ * their session's own connection. When no background worker slot is free,
+ * says so with a hint, and no call tries again for RL_REGISTER_RETRY_MS.
+ * True when this call asked (or tried).
  */
 static bool
 rl_queue_start_worker(void)
 {
-	bool		registered;
+	TimestampTz now = GetCurrentTimestamp();
+	bool		asked;
 
+	/* (read unlocked first: the calls while it starts take no lock) */
+	if (control->worker_registered)
+		return false;
 	LWLockAcquire(control->lock, LW_EXCLUSIVE);
-	registered = queue->worker_registered;
-	queue->worker_registered = true;
+	asked = control->worker_registered ||
+		(control->register_failed != 0 &&
+		 !TimestampDifferenceExceeds(control->register_failed, now,
+									 RL_REGISTER_RETRY_MS));
+	control->worker_registered = true;
 	LWLockRelease(control->lock);
-	if (registered)
+	if (asked)
 		return false;
 
 	if (rl_register_worker(false))
@@ -330,7 +351,8 @@ rl_queue_start_worker(void)
 	}
 
 	LWLockAcquire(control->lock, LW_EXCLUSIVE);
-	queue->worker_registered = false;
+	control->worker_registered = false;
+	control->register_failed = now;
 	LWLockRelease(control->lock);
 	ereport(LOG,
 			(errmsg("rl_redis: could not start the rl_redis worker: no background worker slot is free; this session's calls use its own connection"),
@@ -682,14 +704,15 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	*used = false;
 	if (rl_transport == RL_TRANSPORT_SHARED && !am_worker &&
 		rl_topology()->one_server)
-		(void) rl_queue_attach(true);
+		(void) rl_queue_attach(false);
 	if (!rl_shared_usable(settings, &gen, &worker))
 	{
 		/* the first call starts the worker; one that should run and does
 		 * not is said once per session */
-		if (rl_transport == RL_TRANSPORT_SHARED && queue != NULL && !am_worker &&
-			pg_atomic_read_u64(&queue->worker_gen) == 0 &&
-			rl_topology()->one_server && rl_queue_start_worker())
+		if (rl_transport == RL_TRANSPORT_SHARED && control != NULL && !am_worker &&
+			rl_topology()->one_server &&
+			(queue == NULL || pg_atomic_read_u64(&queue->worker_gen) == 0) &&
+			rl_queue_start_worker())
 			no_worker_logged = true;
 		else if (rl_transport == RL_TRANSPORT_SHARED && queue != NULL && !am_worker &&
 				 pg_atomic_read_u64(&queue->worker_gen) == 0 && !no_worker_logged)
@@ -888,7 +911,7 @@ rl_shared_worker_start(uint64 settings)
 				(errcode(ERRCODE_INSUFFICIENT_RESOURCES),
 				 errmsg("could not make the rl_redis shared queue: too many dynamic shared memory segments")));
 	LWLockAcquire(control->lock, LW_EXCLUSIVE);
-	queue->worker_registered = true;
+	control->worker_registered = true;
 	LWLockRelease(control->lock);
 	if (!pg_atomic_compare_exchange_u32(&queue->worker_claimed, &unclaimed, 1))
 		return false;
