@@ -25,13 +25,19 @@ RL_REDIS_CLI=${RL_REDIS_CLI:-redis-cli}
 
 # Installs the packages that are missing (sql_tests/install_deps.sh), then
 # builds and installs the extension whose source is in DIR (default: this
-# one); sudo for the install when not root.
+# one); sudo for the install when not root. Without the LLVM bitcode that
+# PGXS also builds for JIT inlining (clang compiles every file a second
+# time, half of the build's CPU; no test uses it, and the package build of
+# sql_tests/test_deb.sh builds and ships it), and without what an earlier
+# install left of it, which would no longer match the library.
 rl_build_install() {
-	local sudo= dir=${1:-.}
+	local sudo= dir=${1:-.} bitcode
 	[ "$(id -u)" = 0 ] || sudo=sudo
 	bash sql_tests/install_deps.sh || return 1
-	make -s -C "$dir" -j"$(nproc)" >/dev/null || return 1
-	$sudo make -s -C "$dir" install >/dev/null || return 1
+	make -s -C "$dir" -j"$(nproc)" with_llvm=no >/dev/null || return 1
+	$sudo make -s -C "$dir" install with_llvm=no >/dev/null || return 1
+	bitcode=$(pg_config --pkglibdir)/bitcode
+	$sudo rm -rf "$bitcode/rl_redis" "$bitcode/rl_redis.index.bc"
 }
 
 # Prints a TCP port on 127.0.0.1 that nothing listens on right now.
