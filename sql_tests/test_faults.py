@@ -861,6 +861,7 @@ def end_killed_and_paused(pg, r, identity, end, refund=False):
     a generous margin); then Redis goes on."""
     pg.execute("BEGIN")
     assert allow(pg, identity, ACQUIRE_LONG) is True
+    assert int(r.cli("ZCARD", slot_key_long(identity))) == 1  # taken
     if refund:
         assert allow(pg, identity) is True
     assert int(r.cli("CLIENT", "KILL", "TYPE", "normal")) >= 1
@@ -895,7 +896,9 @@ def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
     assert warnings_of(notices) == []
 
     r = redis_factory(password="s3cret")
-    use_redis(pg, r, password="s3cret")
+    # (on_error = error: an acquire that failed under load must not pass
+    # for a slot taken; once a slot was seen free after such a run)
+    use_redis(pg, r, password="s3cret", on_error="error")
     for end in ("COMMIT", "ROLLBACK"):
         identity = new_ident("unreachable_auth")
         notices.clear()
