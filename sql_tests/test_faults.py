@@ -895,7 +895,7 @@ def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
         assert int(r.cli("EXISTS", allow_key(identity))) == (0 if end == "ROLLBACK" else 1)
     assert warnings_of(notices) == []
 
-    r = redis_factory(password="s3cret")
+    r = redis_factory(password="s3cret", extra_args=["--slowlog-log-slower-than", "0"])
     # (on_error = error: an acquire that failed under load must not pass
     # for a slot taken; once a slot was seen free after such a run)
     use_redis(pg, r, password="s3cret", on_error="error")
@@ -905,7 +905,9 @@ def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
         end_killed_and_paused(pg, r, identity, end)
         warned = [n.message_primary or "" for n in warnings_of(notices)]
         assert any("waits for the session's next call" in w for w in warned), warned
-        assert int(r.cli("ZCARD", slot_key_long(identity))) == 1
+        # (what Redis ran, and its clients, shown when this fails)
+        assert int(r.cli("ZCARD", slot_key_long(identity))) == 1, (
+            end, warned, r.command("SLOWLOG", "GET", "20"), r.command("CLIENT", "LIST"))
         assert allow(pg, new_ident("unreachable_next")) is True  # the next call
         assert int(r.cli("EXISTS", slot_key_long(identity))) == 0
 
