@@ -52,7 +52,9 @@ INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES ('too.big', 'slid
 INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES ('too.long', 'fixed', 1, 3153600000001);
 \set VERBOSITY default
 -- The window (or a lease) as an interval, or as a text holding one; a text
--- of digits alone is milliseconds: the same limit, so the same count
+-- of digits alone is milliseconds: the same limit, so the same count (on
+-- the test clock at a window's start, so that no minute ends in between)
+SET rl_redis.test_clock_ms = 1000000020000;
 SELECT allowed, lim, remaining FROM rl_fixed('iv', 5, '1 minute');
 SELECT allowed, lim, remaining FROM rl_fixed('iv', 5, interval '60 seconds');
 SELECT allowed, lim, remaining FROM rl_fixed('iv', 5, 60000);
@@ -62,6 +64,7 @@ SELECT allowed, remaining FROM rl_token_bucket('iv', 10, '1 hour', 3, 4);
 SELECT allowed, remaining FROM rl_token_bucket_refund('iv', 10, interval '3600 s', 2, 4);
 SELECT identity, allowed, remaining FROM rl_sliding_many(ARRAY['iv1', 'iv2'], 2, '2 days');
 SELECT rl_concurrency_acquire_allow('iv', 1, '30 seconds'), rl_concurrency_acquire_allow('iv', 1, interval '30 s');
+RESET rl_redis.test_clock_ms;
 -- refused: months and years (their length varies), fractions of a
 -- millisecond, what is not an interval, and what is out of range
 SELECT rl_fixed_allow('iv', 5, '1 month');

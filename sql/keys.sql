@@ -1,6 +1,10 @@
 -- Key layout, expiry, binary-safe identities and rl_reset, checked in Redis
 -- itself with redis-cli.
 SET rl_redis.key_prefix = 'rlkeys:';
+-- on the test clock, at the start of a fixed window (a multiple of 60000):
+-- a window's keys cannot expire between a call and the look at them, as
+-- they did on the real clock when a minute ended in between
+SET rl_redis.test_clock_ms = 1000000020000;
 SELECT current_setting('rl_redis.port') AS port \gset
 \setenv RLPORT :port
 \! redis-cli -p $RLPORT eval "for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end" 0 'rlkeys:*'
@@ -54,7 +58,7 @@ SELECT rl_fixed(repeat('i', 1048576), 2, 60000) AS first,
        rl_fixed(repeat('i', 1048576), 2, 60000) AS third;
 \! redis-cli -p $RLPORT --scan --pattern 'rlkeys:*' | wc -l
 SELECT rl_reset(repeat('i', 1048576));
-RESET rl_redis.test_clock_ms;
+SET rl_redis.test_clock_ms = 1000000020000;
 RESET rl_redis.max_identity_bytes;
 
 -- the prefix can be changed by a superuser, and keeps its own counters
@@ -69,3 +73,4 @@ SELECT rl_reset('p');
 -- braces would break the one-slot-per-identity layout
 SET rl_redis.key_prefix = 'rl{x}:';
 RESET rl_redis.key_prefix;
+RESET rl_redis.test_clock_ms;
