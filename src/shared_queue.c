@@ -9,8 +9,10 @@
  * = shared, else when the first call under the shared transport asks the
  * postmaster to start it (that call, and the others until the worker runs,
  * use their session's own connection). Until then a server takes neither
- * (its main shared memory holds only the segment's handle). A session that makes a script call under rl_redis.transport =
- * shared claims a free entry, writes the call into it (the script's id, its
+ * (its main shared memory holds only the segment's handle).
+ *
+ * A session that makes a script call under rl_redis.transport = shared
+ * claims a free entry, writes the call into it (the script's id, its
  * arguments), marks it queued and sets the worker's latch; then it waits on
  * its own latch for the reply, which the worker writes into the entry in the
  * Redis protocol. The worker (worker.c) takes every queued entry at once and
@@ -240,7 +242,7 @@ rl_register_worker(bool at_start)
  * and registers the worker, which makes the queue as it starts, when the
  * configuration files set rl_redis.transport = shared for the whole server
  * (in standalone mode: the only one the shared transport serves); else the
- * first call under the shared transport makes both.
+ * first call under the shared transport registers it (rl_queue_start_worker).
  */
 void
 rl_shared_queue_init(void)
