@@ -48,6 +48,8 @@ import psycopg
 from psycopg import sql
 import pytest
 
+from ports import free_port
+
 # RL_REDIS_SERVER / RL_REDIS_CLI (set by sql_tests/test_matrix.sh to
 # valkey-server / valkey-cli) pick the server that every test starts
 REDIS_SERVER = shutil.which(os.environ.get("RL_REDIS_SERVER") or "redis-server") or "/usr/bin/redis-server"
@@ -356,15 +358,6 @@ def ident():
 
 
 # ---------------------------------------------------------------- Redis
-
-
-def free_port():
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-    finally:
-        s.close()
 
 
 class RespError(Exception):
@@ -817,13 +810,28 @@ class PgServer:
             for name, value in settings.items():
                 f.write("%s = '%s'\n" % (name, value))
         try:
-            self.start()
+            self._first_start()
             if extension:
                 with self.connect() as conn:
                     conn.execute("CREATE EXTENSION rl_redis")
         except BaseException:
             self.remove()
             raise
+
+    def _first_start(self):
+        """Starts the server; a port somebody took since free_port() (the log
+        says it could not bind) is replaced by another, twice at most."""
+        for attempt in range(3):
+            try:
+                return self.start()
+            except subprocess.CalledProcessError:
+                with open(self.logfile, errors="replace") as f:
+                    taken = "could not create any TCP/IP sockets" in f.read()
+                if attempt == 2 or not taken:
+                    raise
+                self.port = free_port()
+                with open(os.path.join(self.datadir, "postgresql.conf"), "a") as f:
+                    f.write("port = %d\n" % self.port)
 
     def start(self):
         """Starts the server (under valgrind in sql_tests/valgrind.sh's run,

@@ -22,6 +22,7 @@
 # Python tests (conftest.py) read the same variables.
 RL_REDIS_SERVER=${RL_REDIS_SERVER:-redis-server}
 RL_REDIS_CLI=${RL_REDIS_CLI:-redis-cli}
+RL_TESTS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # Installs the packages that are missing (sql_tests/install_deps.sh), then
 # builds and installs the extension whose source is in DIR (default: this
@@ -40,12 +41,10 @@ rl_build_install() {
 	$sudo rm -rf "$bitcode/rl_redis" "$bitcode/rl_redis.index.bc"
 }
 
-# Prints a TCP port on 127.0.0.1 that nothing listens on right now.
+# Prints a TCP port on 127.0.0.1 that nothing listens on right now (see
+# sql_tests/ports.py: below the range of outgoing connections' own ports).
 rl_free_port() {
-	/usr/bin/python3 -c 'import socket
-s = socket.socket()
-s.bind(("127.0.0.1", 0))
-print(s.getsockname()[1])'
+	/usr/bin/python3 "$RL_TESTS_DIR/ports.py"
 }
 
 # Runs a command as the cluster owner (postgres when we are root).

@@ -1492,13 +1492,17 @@ def test_queue_that_cannot_be_made_is_no_error(clusters):
     no longer write: the worker cannot make the queue (it fails, and the
     postmaster tries again). A session's calls under the shared transport
     never see it: exact decisions on their own connection, no error, the
-    worker asked for once."""
+    worker asked for once. PostgreSQL's own segments (the statistics'
+    memory grows by them, a new session's may need one) come from the 3 MB
+    that min_dynamic_shared_memory keeps in main shared memory, which the
+    queue (3.3 MB) does not fit: without it the connection itself failed
+    now and then ("could not open shared memory segment", PostgreSQL 17)."""
     server, redis = clusters()
-    restart_with(server, dynamic_shared_memory_type="mmap")
+    restart_with(server, dynamic_shared_memory_type="mmap", min_dynamic_shared_memory="3MB")
     dynshmem = os.path.join(server.datadir, "pg_dynshmem")
+    conn = server.connect(transport="shared", on_error="error", test_clock_ms=TEST_CLOCK_MS)
     os.chmod(dynshmem, 0o500)
     try:
-        conn = server.connect(transport="shared", on_error="error", test_clock_ms=TEST_CLOCK_MS)
         try:
             ident = new_ident("nodsm")
             reset = 60000 - TEST_CLOCK_MS % 60000
