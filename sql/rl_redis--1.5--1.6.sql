@@ -684,6 +684,15 @@ COMMENT ON FUNCTION @extschema@.rl_redis_metrics() IS
     'Returns the statistics in the Prometheus text exposition format; for pg_read_all_stats.';
 COMMENT ON FUNCTION @extschema@.rl_redis_connections() IS
     'Lists this backend''s connections to Redis with their state and last error; for pg_read_all_stats.';
+
+-- closes this session's idle connections to Redis (as postgres_fdw_disconnect
+-- does for its own): for a pooler's reset query; only the caller's session
+CREATE FUNCTION @extschema@.rl_redis_disconnect()
+RETURNS integer
+AS 'MODULE_PATHNAME', 'rl_redis_disconnect'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+COMMENT ON FUNCTION @extschema@.rl_redis_disconnect() IS
+    'Closes this session''s connections to Redis that carry no work and returns how many stay open; for every role.';
 COMMENT ON FUNCTION @extschema@.rl_top_denied(text, interval, integer) IS
     'Lists the n identities most denied under a policy since an interval ago (rl_redis.track_denials); for the roles granted EXECUTE.';
 

@@ -139,3 +139,55 @@ def test_other_transactions_do_not_keep_it_open(redis_factory):
         assert len(clients(redis)) == 1
     finally:
         conn.close()
+
+
+def total_connections(redis):
+    """The connections redis has accepted since it started."""
+    info = redis.command("INFO", "stats")
+    return int(info.split("total_connections_received:")[1].split()[0])
+
+
+def test_disconnect_closes_what_carries_no_work(redis_factory):
+    """rl_redis_disconnect() closes the session's connection (0: none left
+    open) and the next call opens another and decides on the same count.
+    Inside a transaction block that holds a slot it closes nothing (1): the
+    COMMIT gives the slot back on the open connection, without connecting
+    again. A connection whose release Redis has not answered yet (Redis
+    hung at the COMMIT) stays open (1) until the reply is read."""
+    redis = redis_factory()
+    conn = pg_connect()
+    try:
+        set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, xact_end_budget=200)
+        identity = new_ident("disconnect")
+        q = "SELECT rl_fixed_allow(%s, 2, 600000)"
+        disconnect = "SELECT rl_redis_disconnect()"
+        assert conn.execute(disconnect).fetchone()[0] == 0  # none yet
+        assert conn.execute(q, (identity,)).fetchone()[0] is True
+        assert len(clients(redis)) == 1
+        assert conn.execute(disconnect).fetchone()[0] == 0
+        assert clients(redis) == []
+        assert conn.execute("SELECT state FROM rl_redis_connections()").fetchall() == [("closed",)]
+        assert [conn.execute(q, (identity,)).fetchone()[0] for _ in range(2)] == [True, False]
+
+        acquire = "SELECT rl_concurrency_acquire_allow(%s, 1, 600000)"
+        accepted = total_connections(redis)
+        conn.execute("BEGIN")
+        assert conn.execute(acquire, (identity,)).fetchone()[0] is True
+        assert conn.execute(disconnect).fetchone()[0] == 1
+        conn.execute("COMMIT")
+        assert int(redis.command("DBSIZE")) == 1  # the fixed window's key only
+        assert total_connections(redis) == accepted + 2  # DBSIZE's and INFO's own
+
+        conn.execute("BEGIN")
+        assert conn.execute(acquire, (identity,)).fetchone()[0] is True
+        redis.pause()
+        try:
+            conn.execute("COMMIT")
+            assert conn.execute(disconnect).fetchone()[0] == 1
+        finally:
+            redis.resume()
+        assert conn.execute(q, (new_ident("disconnect_next"),)).fetchone()[0] is True
+        assert int(redis.command("DBSIZE")) == 2  # the slot given back
+        assert conn.execute(disconnect).fetchone()[0] == 0
+    finally:
+        conn.close()

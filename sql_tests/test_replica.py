@@ -26,7 +26,7 @@ def replica():
         as_owner([
             os.path.join(PGBIN, "pg_basebackup"), "-h", "127.0.0.1",
             "-p", os.environ["PGPORT"], "-U", "postgres", "-D", datadir,
-            "-R", "-X", "stream", "--no-sync",
+            "-R", "-X", "stream", "--no-sync", "--checkpoint=fast",
         ]),
         check=True, capture_output=True, timeout=120,
     )

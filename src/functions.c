@@ -2,11 +2,13 @@
  * functions.c
  *	  The SQL functions of explicit limits (rl_<algorithm>, rl_<algorithm>_allow,
  *	  rl_<algorithm>_refund, one set per line of algorithms.h) and the admin
- *	  functions rl_reset and rl_redis_ping.
+ *	  functions rl_reset, rl_redis_ping, rl_redis_connections and
+ *	  rl_redis_disconnect.
  */
 #include "postgres.h"
 
 #include "access/htup_details.h"
+#include "access/xact.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "mb/pg_wchar.h"
@@ -305,6 +307,33 @@ rl_redis_ping(PG_FUNCTION_ARGS)
 	values[0] = CStringGetTextDatum(servers.data);
 	values[1] = Float8GetDatum(worst);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
+}
+
+PG_FUNCTION_INFO_V1(rl_redis_disconnect);
+
+/*
+ * rl_redis_disconnect(): closes this session's connections to Redis that
+ * have nothing queued or on the way, as rl_redis.idle_timeout does (a
+ * pooler's reset query, a password changed in Redis); the next call opens
+ * them again. Returns how many stay open: those that still carry work (a
+ * slot release or refund not yet sent), and inside a transaction block
+ * every open one, as the block's end may have work for them (closing them
+ * would make that end connect again). 0: the session holds no connection to
+ * Redis now. Connections the shared transport's worker holds are not the
+ * session's.
+ */
+Datum
+rl_redis_disconnect(PG_FUNCTION_ARGS)
+{
+	RlConnInfo	info;
+	int			open = 0;
+	int			n;
+
+	if (!IsTransactionBlock())
+		PG_RETURN_INT32(rl_close_idle());
+	for (n = 0; rl_conn_info(n, &info); n++)
+		open += info.open ? 1 : 0;
+	PG_RETURN_INT32(open);
 }
 
 PG_FUNCTION_INFO_V1(rl_redis_connections);

@@ -20,12 +20,14 @@ static bool used_since_idle = false;
 
 /*
  * Closes the connections that have nothing queued or on the way (the
- * worker's idle timeout); their next call opens them again.
+ * worker's idle timeout, rl_redis_disconnect); their next call opens them
+ * again. Returns how many stay open because they still carry work.
  */
-void
+int
 rl_close_idle(void)
 {
 	RlConn	   *conn;
+	int			open = 0;
 
 	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 	{
@@ -34,7 +36,10 @@ rl_close_idle(void)
 			conn->queue_count == 0 && conn->pending_replies == 0 &&
 			conn->skip_replies == 0)
 			rl_disconnect(conn);
+		if (conn->sock != PGINVALID_SOCKET)
+			open++;
 	}
+	return open;
 }
 
 /*

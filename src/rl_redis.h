@@ -442,7 +442,7 @@ typedef struct RlDeferred
 
 extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
 								 const char *body);
-extern void rl_close_idle(void);
+extern int	rl_close_idle(void);
 
 /* the Redis protocol (resp.c) */
 
