@@ -771,7 +771,9 @@ def give_to_owner(path):
 def initdb_template():
     """The data folder every PgServer starts as a copy of: initdb runs once
     per make test (under a lock, whichever xdist worker comes first), not
-    once per server (about 2 s of CPU each)."""
+    once per server (about 2 s of CPU each). WAL segments of 1 MB instead of
+    16 make each copy 15 MB smaller (a page of a new file costs about 17 µs
+    of CPU on the 2-core test machine, a 40 MB copy about 0.3 s)."""
     base = os.path.join(os.environ["RL_DIR"], "pg-template")
     datadir = os.path.join(base, "pgdata")
     with open(base + ".lock", "w") as lock:
@@ -782,7 +784,8 @@ def initdb_template():
             give_to_owner(base)
             subprocess.run(
                 as_owner([os.path.join(PGBIN, "initdb"), "-D", datadir, "-U", "postgres",
-                          "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"]),
+                          "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C",
+                          "--wal-segsize=1"]),
                 check=True, capture_output=True, timeout=120,
             )
     return datadir

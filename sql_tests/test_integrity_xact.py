@@ -47,8 +47,9 @@ PUBLIC_FUNCTIONS = [
     "rl_check", "rl_allow", "rl_check_all", "rl_allow_all", "rl_check_many",
     "rl_acquire", "rl_acquire_allow", "rl_release",
     "rl_concurrency_release", "rl_headers", "rl_redis_ping",
-    # 1.6: inspecting a quota; the problems of the guards
-    "rl_inspect", "rl_guard_check",
+    # 1.6: inspecting a quota; the problems of the guards; closing the
+    # session's own idle connections
+    "rl_inspect", "rl_guard_check", "rl_redis_disconnect",
 ]
 ADMIN_FUNCTIONS = [
     "rl_fixed", "rl_fixed_allow", "rl_fixed_refund",
