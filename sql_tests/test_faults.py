@@ -905,9 +905,12 @@ def test_xact_end_with_redis_unreachable_is_bounded(pg, redis_factory):
         end_killed_and_paused(pg, r, identity, end)
         warned = [n.message_primary or "" for n in warnings_of(notices)]
         assert any("waits for the session's next call" in w for w in warned), warned
-        # (what Redis ran, and its clients, shown when this fails)
-        assert int(r.cli("ZCARD", slot_key_long(identity))) == 1, (
-            end, warned, r.command("SLOWLOG", "GET", "20"), r.command("CLIENT", "LIST"))
+        # (what Redis ran, and its clients, shown in full when this fails:
+        # it failed so now and then in loaded runs, the slot found free)
+        if int(r.cli("ZCARD", slot_key_long(identity))) != 1:
+            pytest.fail("the slot was given back after %s; warnings %r\nSLOWLOG:\n%s\nCLIENT LIST:\n%s"
+                        % (end, warned, "\n".join(repr(e) for e in r.command("SLOWLOG", "GET", "30")),
+                           r.command("CLIENT", "LIST")), pytrace=False)
         assert allow(pg, new_ident("unreachable_next")) is True  # the next call
         assert int(r.cli("EXISTS", slot_key_long(identity))) == 0
 

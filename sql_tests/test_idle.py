@@ -149,11 +149,13 @@ def total_connections(redis):
 
 def test_disconnect_closes_what_carries_no_work(redis_factory):
     """rl_redis_disconnect() closes the session's connection (0: none left
-    open) and the next call opens another and decides on the same count.
-    Inside a transaction block that holds a slot it closes nothing (1): the
-    COMMIT gives the slot back on the open connection, without connecting
-    again. A connection whose release Redis has not answered yet (Redis
-    hung at the COMMIT) stays open (1) until the reply is read."""
+    open) and the next call opens another and decides on the same count;
+    also as the second statement of one query string. In a transaction that
+    took a slot (a block, or one statement that also takes it) it closes
+    nothing (1): the COMMIT gives the slot back on the open connection,
+    without connecting again. A connection whose release Redis has not
+    answered yet (Redis hung at the COMMIT) stays open (1) until the reply
+    is read."""
     redis = redis_factory()
     conn = pg_connect()
     try:
@@ -169,14 +171,27 @@ def test_disconnect_closes_what_carries_no_work(redis_factory):
         assert conn.execute("SELECT state FROM rl_redis_connections()").fetchall() == [("closed",)]
         assert [conn.execute(q, (identity,)).fetchone()[0] for _ in range(2)] == [True, False]
 
+        # one query string (an implicit transaction), simple protocol
+        assert conn.execute(q, (new_ident("disconnect_multi"),)).fetchone()[0] is True
+        res = conn.pgconn.exec_(b"RESET rl_redis.test_clock_ms; SELECT rl_redis_disconnect()")
+        assert res.get_value(0, 0) == b"0"
+        assert clients(redis) == []
+
         acquire = "SELECT rl_concurrency_acquire_allow(%s, 1, 600000)"
         accepted = total_connections(redis)
         conn.execute("BEGIN")
         assert conn.execute(acquire, (identity,)).fetchone()[0] is True
         assert conn.execute(disconnect).fetchone()[0] == 1
         conn.execute("COMMIT")
-        assert int(redis.command("DBSIZE")) == 1  # the fixed window's key only
-        assert total_connections(redis) == accepted + 2  # DBSIZE's and INFO's own
+        assert int(redis.command("DBSIZE")) == 2  # the fixed windows' keys only
+        # the acquire's (the connection was closed), DBSIZE's and INFO's own
+        assert total_connections(redis) == accepted + 3
+        # one autocommit statement that takes a slot and disconnects
+        accepted = total_connections(redis)
+        both = "SELECT rl_concurrency_acquire_allow(%s, 1, 600000), rl_redis_disconnect()"
+        assert conn.execute(both, (identity,)).fetchone() == (True, 1)
+        assert int(redis.command("DBSIZE")) == 2  # the slot given back
+        assert total_connections(redis) == accepted + 2
 
         conn.execute("BEGIN")
         assert conn.execute(acquire, (identity,)).fetchone()[0] is True
@@ -187,7 +202,7 @@ def test_disconnect_closes_what_carries_no_work(redis_factory):
         finally:
             redis.resume()
         assert conn.execute(q, (new_ident("disconnect_next"),)).fetchone()[0] is True
-        assert int(redis.command("DBSIZE")) == 2  # the slot given back
+        assert int(redis.command("DBSIZE")) == 3  # the slot given back
         assert conn.execute(disconnect).fetchone()[0] == 0
     finally:
         conn.close()

@@ -8,7 +8,6 @@
 #include "postgres.h"
 
 #include "access/htup_details.h"
-#include "access/xact.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "mb/pg_wchar.h"
@@ -316,11 +315,12 @@ PG_FUNCTION_INFO_V1(rl_redis_disconnect);
  * have nothing queued or on the way, as rl_redis.idle_timeout does (a
  * pooler's reset query, a password changed in Redis); the next call opens
  * them again. Returns how many stay open: those that still carry work (a
- * slot release or refund not yet sent), and inside a transaction block
- * every open one, as the block's end may have work for them (closing them
- * would make that end connect again). 0: the session holds no connection to
- * Redis now. Connections the shared transport's worker holds are not the
- * session's.
+ * slot release or refund not yet sent), and in a transaction that sent a
+ * command (a statement, function or block that took a slot or charged)
+ * every open one, as its end may have work for them (closing them would
+ * make that end connect again, its interrupts held). 0: no connection of
+ * the session is open now. Connections the shared transport's worker
+ * holds are not the session's.
  */
 Datum
 rl_redis_disconnect(PG_FUNCTION_ARGS)
@@ -329,7 +329,7 @@ rl_redis_disconnect(PG_FUNCTION_ARGS)
 	int			open = 0;
 	int			n;
 
-	if (!IsTransactionBlock())
+	if (!rl_idle_used_in_xact())
 		PG_RETURN_INT32(rl_close_idle());
 	for (n = 0; rl_conn_info(n, &info); n++)
 		open += info.open ? 1 : 0;

@@ -18,10 +18,14 @@ static TimeoutId idle_timeout_id = MAX_TIMEOUTS;
 /* a command was sent since the idle timeout was last armed */
 static bool used_since_idle = false;
 
+/* a command was sent in the current top-level transaction */
+static bool used_in_xact = false;
+
 /*
  * Closes the connections that have nothing queued or on the way (the
  * worker's idle timeout, rl_redis_disconnect); their next call opens them
- * again. Returns how many stay open because they still carry work.
+ * again. Returns how many stay open (as rl_conn_info counts them) because
+ * they still carry work.
  */
 int
 rl_close_idle(void)
@@ -36,7 +40,7 @@ rl_close_idle(void)
 			conn->queue_count == 0 && conn->pending_replies == 0 &&
 			conn->skip_replies == 0)
 			rl_disconnect(conn);
-		if (conn->sock != PGINVALID_SOCKET)
+		if (conn->ready && conn->sock != PGINVALID_SOCKET && !conn->shut)
 			open++;
 	}
 	return open;
@@ -78,13 +82,15 @@ rl_idle_timeout_handler(void)
 /*
  * At the end of a top-level transaction: starts the idle timeout when a
  * command was sent since it last started and a connection is open; stops
- * it when rl_redis.idle_timeout is 0 now.
+ * it when rl_redis.idle_timeout is 0 now. The next transaction has sent
+ * nothing yet.
  */
 void
 rl_arm_idle_timeout(void)
 {
 	RlConn	   *conn;
 
+	used_in_xact = false;
 	if (idle_timeout_id == MAX_TIMEOUTS)
 		return;
 	if (rl_idle_timeout <= 0)
@@ -117,4 +123,15 @@ rl_idle_in_use(void)
 	else if (idle_timeout_id == MAX_TIMEOUTS && rl_idle_timeout > 0)
 		idle_timeout_id = RegisterTimeout(USER_TIMEOUT, rl_idle_timeout_handler);
 	used_since_idle = true;
+	used_in_xact = true;
+}
+
+/*
+ * Whether the current top-level transaction sent a command: its end may
+ * have work (a slot release, a refund) for the connections.
+ */
+bool
+rl_idle_used_in_xact(void)
+{
+	return used_in_xact;
 }

@@ -443,6 +443,7 @@ typedef struct RlDeferred
 extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
 								 const char *body);
 extern int	rl_close_idle(void);
+extern bool rl_idle_used_in_xact(void);
 
 /* the Redis protocol (resp.c) */
 
