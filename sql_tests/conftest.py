@@ -45,6 +45,7 @@ import time
 import uuid
 
 import psycopg
+import psycopg.rows
 from psycopg import sql
 import pytest
 
@@ -350,14 +351,70 @@ def _extension():
     yield
 
 
+# Sessions of the test cluster that `pg` fixtures ended, this process's, for
+# the next test's `pg`: a new backend costs about 40 ms of CPU on the 2-core
+# test machine (some 760 page faults at about 17 us each), and the suite
+# would start hundreds of them for this fixture alone.
+_IDLE_SESSIONS = {}
+
+
+def _session_target():
+    """Where pg_connect() connects now (a module on a private server
+    points the PG* variables at that server)."""
+    return tuple(os.environ.get(v) for v in ("PGHOST", "PGPORT", "PGDATABASE", "PGUSER"))
+
+
+def _session_reusable(conn):
+    """Makes the session of a `pg` fixture that ended look as a new one to
+    the next test, as a pooler's reset does: out of any transaction,
+    DISCARD ALL (settings, role, temporary tables, prepared statements,
+    locks, LISTEN), its Redis connections closed (rl_redis_disconnect), and
+    psycopg's own state as a new connection's. False when it cannot be made
+    so: it is broken or in a transaction, a connection still carries work
+    of a transaction end (a release or refund Redis has not taken), or calls
+    to a server failed last (what is said once per outage would then not be
+    said to the next test); the session is then closed instead."""
+    if conn.closed or conn.broken or \
+            conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return False
+    try:
+        conn.autocommit = True
+        conn.row_factory = psycopg.rows.tuple_row
+        conn.prepare_threshold = 5
+        conn._notice_handlers.clear()
+        conn._notify_handlers.clear()
+        conn._prepared.clear()  # its DEALLOCATE ALL goes first
+        conn.execute("DISCARD ALL")
+        left = conn.execute(
+            "SELECT rl_redis_disconnect() + (SELECT (coalesce(sum(queued), 0) + "
+            "count(failing_since))::int FROM rl_redis_connections())").fetchone()[0]
+    except psycopg.Error:
+        return False
+    return left == 0
+
+
 @pytest.fixture
 def pg():
-    """A new autocommit connection as the postgres superuser."""
-    conn = pg_connect()
+    """An autocommit session of the test cluster as the postgres superuser:
+    new, or one an earlier test's `pg` ended, reset (_session_reusable)."""
+    idle = _IDLE_SESSIONS.setdefault(_session_target(), [])
+    conn = None
+    while idle and conn is None:
+        conn = idle.pop()
+        try:
+            conn.execute("SELECT 1")  # the server may have restarted
+        except psycopg.Error:
+            conn.close()
+            conn = None
+    if conn is None:
+        conn = pg_connect()
     try:
         yield conn
     finally:
-        conn.close()
+        if _session_reusable(conn):
+            idle.append(conn)
+        else:
+            conn.close()
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@
 # exits non-zero when any suite fails.
 #
 # The pytest suites run in parallel (pytest-xdist, RL_TEST_JOBS workers,
-# default 6: most of a test's time is spent waiting on a server, not on a
-# core), then the tests marked `alone` (they change a server the others
+# default 4: on 2 cores, 6 workers and their servers spent about 30 s more
+# CPU on contention and made the run about 40 s longer; 3 was about 10 s
+# slower than 4), then the tests marked `alone` (they change a server the others
 # share) run one at a time; the tests marked heavy run beside the others in
 # a run of their own. The Debian package check runs beside pg_regress.
 #
@@ -35,7 +36,7 @@ echo "== built, installed and started in $((SECONDS - start)) s"
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=$RL_DIR/pycache
 
-jobs=${RL_TEST_JOBS:-6}
+jobs=${RL_TEST_JOBS:-4}
 export RL_DURATIONS_FILE=${RL_DURATIONS_FILE:-$RL_DIR/durations.tsv}
 : >"$RL_DURATIONS_FILE"
 pytest=(/usr/bin/python3 -m pytest -q -p no:cacheprovider -p xdist)
