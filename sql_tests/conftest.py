@@ -81,6 +81,11 @@ def pytest_configure(config):
         "heavy: a test of tens of seconds; run_tests.sh runs these in a pytest run of "
         "their own beside the others, one worker each",
     )
+    config.addinivalue_line(
+        "markers",
+        "new_session: the pg fixture gives a new session, not one an earlier test "
+        "used (the test looks at the backend's own descriptors or memory)",
+    )
     global _CONFIG
     _CONFIG = config
 
@@ -394,9 +399,18 @@ def _session_reusable(conn):
 
 
 @pytest.fixture
-def pg():
+def pg(request):
     """An autocommit session of the test cluster as the postgres superuser:
-    new, or one an earlier test's `pg` ended, reset (_session_reusable)."""
+    new, or one an earlier test's `pg` ended, reset (_session_reusable);
+    always a new one for a test marked new_session (it looks at the
+    backend's own descriptors or memory)."""
+    if request.node.get_closest_marker("new_session"):
+        conn = pg_connect()
+        try:
+            yield conn
+        finally:
+            conn.close()
+        return
     idle = _IDLE_SESSIONS.setdefault(_session_target(), [])
     conn = None
     while idle and conn is None:
