@@ -346,8 +346,11 @@ def solo_node():
 
 def test_hung_first_sentinel_then_a_working_one(session, fakes, redis_factory):
     """nodes = '<hung>,<working>' (the hung one accepts and never answers),
-    connect_timeout 500, command_timeout 5000, on_error = error: the call is
-    decided by Redis (the master's counter moves) within 2.5 s, and so are
+    connect_timeout 1000 (the sentinels share it: half each; with 500, a
+    loaded machine once let the hung one's 250 ms run past the whole 500,
+    and the working one was never asked), command_timeout 5000, on_error =
+    error: the call is decided by Redis (the master's counter moves) within
+    2.5 s, and so are
     the calls after the re-check interval (SENTINEL_RECHECK_MS), each under
     0.5 s: the sentinel that answered is asked first from then on, the hung
     one is never asked again."""
@@ -355,7 +358,7 @@ def test_hung_first_sentinel_then_a_working_one(session, fakes, redis_factory):
     hung = fakes()
     good = fakes(sentinel_handler(SentinelTarget(master.port)))
     conn = session(mode="sentinel", nodes="%s,%s" % (hung.addr, good.addr), sentinel_master="mymaster",
-                   connect_timeout=500, command_timeout=5000, on_error="error",
+                   connect_timeout=1000, command_timeout=5000, on_error="error",
                    sentinel_recheck_interval=SENTINEL_RECHECK_MS)
     identity = new_ident("hungsent")
     value, elapsed = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
