@@ -325,15 +325,7 @@ PG_FUNCTION_INFO_V1(rl_redis_disconnect);
 Datum
 rl_redis_disconnect(PG_FUNCTION_ARGS)
 {
-	RlConnInfo	info;
-	int			open = 0;
-	int			n;
-
-	if (!rl_idle_used_in_xact())
-		PG_RETURN_INT32(rl_close_idle());
-	for (n = 0; rl_conn_info(n, &info); n++)
-		open += info.open ? 1 : 0;
-	PG_RETURN_INT32(open);
+	PG_RETURN_INT32(rl_close_idle(!rl_idle_used_in_xact()));
 }
 
 PG_FUNCTION_INFO_V1(rl_redis_connections);

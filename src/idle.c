@@ -22,13 +22,13 @@ static bool used_since_idle = false;
 static bool used_in_xact = false;
 
 /*
- * Closes the connections that have nothing queued or on the way (the
- * worker's idle timeout, rl_redis_disconnect); their next call opens them
- * again. Returns how many stay open (as rl_conn_info counts them) because
- * they still carry work.
+ * Closes, when close is true, the connections that have nothing queued or
+ * on the way (the worker's idle timeout, rl_redis_disconnect); their next
+ * call opens them again. Returns how many stay open (as rl_conn_info
+ * counts them).
  */
 int
-rl_close_idle(void)
+rl_close_idle(bool close)
 {
 	RlConn	   *conn;
 	int			open = 0;
@@ -36,7 +36,7 @@ rl_close_idle(void)
 	for (conn = rl_conn_list; conn != NULL; conn = conn->next)
 	{
 		rl_queue_account(conn);
-		if (conn->sock != PGINVALID_SOCKET && conn->ready &&
+		if (close && conn->sock != PGINVALID_SOCKET && conn->ready &&
 			conn->queue_count == 0 && conn->pending_replies == 0 &&
 			conn->skip_replies == 0)
 			rl_disconnect(conn);

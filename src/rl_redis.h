@@ -442,7 +442,7 @@ typedef struct RlDeferred
 
 extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
 								 const char *body);
-extern int	rl_close_idle(void);
+extern int	rl_close_idle(bool close);
 extern bool rl_idle_used_in_xact(void);
 
 /* the Redis protocol (resp.c) */

@@ -197,7 +197,7 @@ rl_worker_main(Datum arg)
 			TimestampDifferenceExceeds(last_used, GetCurrentTimestamp(),
 									   rl_idle_timeout))
 		{
-			(void) rl_close_idle();
+			(void) rl_close_idle(true);
 			last_used = 0;
 		}
 		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
