@@ -356,29 +356,29 @@ def _extension():
     yield
 
 
-# Sessions of the test cluster that `pg` fixtures ended, this process's, for
-# the next test's `pg`: a new backend costs about 40 ms of CPU on the 2-core
-# test machine (some 760 page faults at about 17 us each), and the suite
-# would start hundreds of them for this fixture alone.
+# Sessions that tests gave back (give_back_session), this process's, per
+# server, for the next take_session: a new backend costs about 40 ms of CPU
+# on the 2-core test machine (some 760 page faults at about 17 us each), and
+# the suite would start thousands of them.
 _IDLE_SESSIONS = {}
+IDLE_SESSIONS_KEPT = 16  # per server and process: 4 workers keep at most 64
 
 
-def _session_target():
-    """Where pg_connect() connects now (a module on a private server
-    points the PG* variables at that server)."""
-    return tuple(os.environ.get(v) for v in ("PGHOST", "PGPORT", "PGDATABASE", "PGUSER"))
+def _target_of(conn):
+    """The server, database and user of a session."""
+    return (conn.info.host, str(conn.info.port), conn.info.dbname, conn.info.user)
 
 
 def _session_reusable(conn):
-    """Makes the session of a `pg` fixture that ended look as a new one to
-    the next test, as a pooler's reset does: out of any transaction,
-    DISCARD ALL (settings, role, temporary tables, prepared statements,
-    locks, LISTEN), its Redis connections closed (rl_redis_disconnect), and
-    psycopg's own state as a new connection's. False when it cannot be made
-    so: it is broken or in a transaction, a connection still carries work
-    of a transaction end (a release or refund Redis has not taken), or calls
-    to a server failed last (what is said once per outage would then not be
-    said to the next test); the session is then closed instead."""
+    """Makes a session that a test ended look as a new one to the next
+    test, as a pooler's reset does: out of any transaction, DISCARD ALL
+    (settings, role, temporary tables, prepared statements, locks, LISTEN),
+    its Redis connections closed (rl_redis_disconnect), and psycopg's own
+    state as a new connection's. False when it cannot be made so: it is
+    broken or in a transaction, a connection still carries work of a
+    transaction end (a release or refund Redis has not taken), or calls to a
+    server failed last (what is said once per outage would then not be said
+    to the next test); the session is then closed instead."""
     if conn.closed or conn.broken or \
             conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         return False
@@ -398,12 +398,44 @@ def _session_reusable(conn):
     return left == 0
 
 
+def take_session(server=None):
+    """An autocommit superuser session of server (a PgServer) or, without
+    one, of where pg_connect() connects now: one that an earlier test gave
+    back, or a new one."""
+    if server is None:
+        target = tuple(os.environ.get(v) for v in ("PGHOST", "PGPORT", "PGDATABASE", "PGUSER"))
+    else:
+        target = server.target()
+    idle = _IDLE_SESSIONS.get(target, [])
+    while idle:
+        conn = idle.pop()
+        try:
+            conn.execute("SELECT 1")  # the server may have restarted
+            return conn
+        except psycopg.Error:
+            conn.close()
+    return pg_connect() if server is None else server.connect()
+
+
+def give_back_session(conn):
+    """Keeps a session a test ended for a later take_session, reset
+    (_session_reusable), while fewer than IDLE_SESSIONS_KEPT of its server
+    wait; closes it otherwise. True when it was kept."""
+    if not conn.closed and not conn.broken:
+        idle = _IDLE_SESSIONS.setdefault(_target_of(conn), [])
+        if len(idle) < IDLE_SESSIONS_KEPT and _session_reusable(conn):
+            idle.append(conn)
+            return True
+    conn.close()
+    return False
+
+
 @pytest.fixture
 def pg(request):
-    """An autocommit session of the test cluster as the postgres superuser:
-    new, or one an earlier test's `pg` ended, reset (_session_reusable);
-    always a new one for a test marked new_session (it looks at the
-    backend's own descriptors or memory)."""
+    """An autocommit session of the test cluster as the postgres superuser
+    (take_session), given back at the end; always a new one for a test
+    marked new_session (it looks at the backend's own descriptors or
+    memory)."""
     if request.node.get_closest_marker("new_session"):
         conn = pg_connect()
         try:
@@ -411,24 +443,11 @@ def pg(request):
         finally:
             conn.close()
         return
-    idle = _IDLE_SESSIONS.setdefault(_session_target(), [])
-    conn = None
-    while idle and conn is None:
-        conn = idle.pop()
-        try:
-            conn.execute("SELECT 1")  # the server may have restarted
-        except psycopg.Error:
-            conn.close()
-            conn = None
-    if conn is None:
-        conn = pg_connect()
+    conn = take_session()
     try:
         yield conn
     finally:
-        if _session_reusable(conn):
-            idle.append(conn)
-        else:
-            conn.close()
+        give_back_session(conn)
 
 
 @pytest.fixture
@@ -932,6 +951,11 @@ class PgServer:
         set_gucs(conn, **gucs)
         return conn
 
+    def target(self):
+        """What take_session keeps this server's sessions under (as
+        _target_of says of them)."""
+        return ("127.0.0.1", str(self.port), "postgres", "postgres")
+
     def env(self):
         """The libpq variables that make pg_connect() reach this server."""
         return {"PGHOST": "127.0.0.1", "PGPORT": str(self.port), "PGDATABASE": "postgres",
@@ -952,6 +976,8 @@ class PgServer:
         )
 
     def remove(self):
+        for conn in _IDLE_SESSIONS.pop(self.target(), []):
+            conn.close()
         self.stop()
         shutil.rmtree(self.base, ignore_errors=True)
 

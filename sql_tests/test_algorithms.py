@@ -29,7 +29,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import new_ident, pg_connect, rl_key, same_fixed_window, set_gucs
+from conftest import give_back_session, new_ident, pg_connect, rl_key, same_fixed_window, set_gucs, take_session
 
 THREADS = 16
 CALLS_PER_THREAD = 20
@@ -114,7 +114,7 @@ def run_threads(conns, work, timeout=300):
 def hammer(query, params, threads=THREADS, calls=CALLS_PER_THREAD):
     """`threads` sessions each run `query` (returning a boolean) `calls`
     times, all at once; returns (how many were true, seconds taken)."""
-    conns = [pg_connect() for _ in range(threads)]
+    conns = [take_session() for _ in range(threads)]
     try:
 
         def work(t, conn):
@@ -130,7 +130,7 @@ def hammer(query, params, threads=THREADS, calls=CALLS_PER_THREAD):
         return sum(counts), time.monotonic() - t0
     finally:
         for c in conns:
-            c.close()
+            give_back_session(c)
 
 
 
@@ -320,7 +320,7 @@ def test_concurrency_slots_many_sessions(shared_redis):
     key = key_of("concurrency", identity, lim=lim, window_ms=60000)
     lock = threading.Lock()
     state = {"holding": 0, "peak": 0, "denied": 0}
-    conns = [pg_connect() for _ in range(THREADS)]
+    conns = [take_session() for _ in range(THREADS)]
 
     def work(t, conn):
         deadline = time.monotonic() + 120
@@ -350,7 +350,7 @@ def test_concurrency_slots_many_sessions(shared_redis):
         results = run_threads(conns, work)
     finally:
         for c in conns:
-            c.close()
+            give_back_session(c)
     print("slots: peak holders %d of %d, denied attempts %d" % (state["peak"], lim, state["denied"]))
     assert state["peak"] <= lim
     assert sum(results) == THREADS  # so at least 5 succeeded: all 16 did

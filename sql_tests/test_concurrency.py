@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import new_ident, pg_connect, same_fixed_window
+from conftest import give_back_session, new_ident, pg_connect, same_fixed_window, take_session
 
 THREADS = 16
 CALLS_PER_THREAD = 20
@@ -23,7 +23,7 @@ def hammer(jobs, threads=THREADS, calls=CALLS_PER_THREAD):
     the boolean results are counted per sql+params[0].
 
     Returns {(sql, identity): allowed_count}."""
-    conns = [pg_connect() for _ in range(threads)]
+    conns = [take_session() for _ in range(threads)]
     barrier = threading.Barrier(threads)
     results = [dict() for _ in range(threads)]
     errors = []
@@ -50,7 +50,7 @@ def hammer(jobs, threads=THREADS, calls=CALLS_PER_THREAD):
         assert not any(th.is_alive() for th in ths), "worker threads hung"
     finally:
         for c in conns:
-            c.close()
+            give_back_session(c)
     assert errors == [], errors
     total = {}
     for r in results:

@@ -60,7 +60,8 @@ import pytest
 from psycopg import sql
 
 import conftest
-from conftest import new_ident, own_connection_open, pg_connect, readme_privileges, set_gucs, wait_for
+from conftest import (give_back_session, new_ident, own_connection_open, readme_privileges, set_gucs,
+                      take_session, wait_for)
 from redis_topology import made_policies, redis_cluster  # noqa: F401
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -96,7 +97,7 @@ class Cell:
         self.policy = next(self._policies)
 
     def session(self, **gucs):
-        """A new superuser session of the cell."""
+        """A superuser session of the cell (take_session)."""
         conn = self._connect()
         self.conns.append(conn)
         self._point(conn)
@@ -134,15 +135,15 @@ class Cell:
         return name
 
     def close(self):
-        """Closes the sessions and drops what the test made."""
+        """Gives the sessions back and drops what the test made."""
         for conn in self.conns:
-            conn.close()
+            give_back_session(conn)
         for name in self.tables:
             self.admin.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
         for name in self.roles:
             self.admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
         next(self._policies, None)  # deletes the policies
-        self.admin.close()
+        give_back_session(self.admin)
 
 
 @pytest.fixture(params=CELLS)
@@ -154,11 +155,11 @@ def cell(request):
 
         def point(conn):
             set_gucs(conn, mode="cluster", nodes=masters[0].addr, retry_interval=0)
-        made = Cell("cluster", pg_connect, point, masters, cluster.master_of_identity)
+        made = Cell("cluster", take_session, point, masters, cluster.master_of_identity)
     else:
         server = request.getfixturevalue("shared_server")
         transport = request.param
-        made = Cell(transport, server.connect, lambda conn: set_gucs(conn, transport=transport),
+        made = Cell(transport, lambda: take_session(server), lambda conn: set_gucs(conn, transport=transport),
                     [server.redis], lambda identity: server.redis)
     try:
         yield made

@@ -65,7 +65,7 @@ import psycopg.errors
 import pytest
 from psycopg import sql
 
-from conftest import pg_connect, set_gucs
+from conftest import give_back_session, pg_connect, set_gucs, take_session
 
 ALGORITHMS = ["fixed", "sliding", "sliding_counter", "token_bucket", "gcra"]
 BUCKETS = ("token_bucket", "gcra")
@@ -93,8 +93,8 @@ def new_id(tag="i"):
 
 
 def open_session(prefix, refund="all", clock=None):
-    """A superuser autocommit session on `prefix` with refund_on_abort."""
-    conn = pg_connect()
+    """A superuser autocommit session (take_session) on `prefix` with refund_on_abort."""
+    conn = take_session()
     set_gucs(conn, key_prefix=prefix, refund_on_abort=refund, retry_interval=0)
     if clock is not None:
         set_clock(conn, clock)
@@ -303,7 +303,8 @@ def tables():
 
 @pytest.fixture
 def sessions():
-    """sessions(prefix, refund='all', clock=None) -> a new session; all closed at teardown."""
+    """sessions(prefix, refund='all', clock=None) -> a session (take_session);
+    all given back at teardown."""
     opened = []
 
     def make(prefix, refund="all", clock=None):
@@ -315,7 +316,7 @@ def sessions():
         yield make
     finally:
         for conn in opened:
-            conn.close()
+            give_back_session(conn)
 
 
 def peek(conn, algorithm, identity, lim, window_ms, burst=None):

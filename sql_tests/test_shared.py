@@ -65,8 +65,8 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import (fixed_units, PgServer, QueryThread, new_ident, own_connection_open, pg_connect, redis_clients,
-                      rl_key, same_fixed_window, set_gucs, wait_for)
+from conftest import (fixed_units, give_back_session, PgServer, QueryThread, new_ident, own_connection_open,
+                      pg_connect, redis_clients, rl_key, same_fixed_window, set_gucs, take_session, wait_for)
 from redis_topology import made_policies
 from test_batch import wait_until_active
 
@@ -166,18 +166,24 @@ def policies(admin):
 
 @pytest.fixture
 def sessions(shared_server):
-    """sessions(n, **gucs) -> n new sessions of shared_server (closed at
-    teardown), each on the frozen clock unless test_clock_ms=0 is given."""
+    """sessions(n, **gucs) -> n sessions of shared_server (take_session),
+    each on the frozen clock unless test_clock_ms=0 is given; at teardown
+    given back, or closed and waited for (close_and_wait)."""
     made = []
 
     def make(n, **gucs):
         gucs.setdefault("test_clock_ms", TEST_CLOCK_MS)
-        conns = [shared_server.connect(**gucs) for _ in range(n)]
+        conns = [take_session(shared_server) for _ in range(n)]
         made.extend(conns)
+        for conn in conns:
+            set_gucs(conn, **gucs)
         return conns
 
     yield make
-    close_and_wait(made)
+    pids = {id(c): c.info.backend_pid for c in made if not c.closed}
+    closed = [c for c in made if not c.closed and not give_back_session(c)]
+    wait_for(lambda: not any(os.path.exists("/proc/%d" % pids[id(c)]) for c in closed), 15.0,
+             "the backends to exit")
 
 
 @pytest.fixture
@@ -468,13 +474,16 @@ def test_eight_sessions_one_connection(shared_server, sessions, policies):
 def test_connection_count(shared_server, sessions, policies, capsys, n):
     """n sessions calling rl_allow at once (20 calls each, lim 10 per
     session's identity): shared -> the server holds 1 connection to Redis
-    (the worker's), none of a session; backend -> one per session. Every
-    session gets exactly 10 allowed in both modes."""
+    (the worker's), none of a session; then the same sessions with
+    transport backend -> one per session. Every session gets exactly 10
+    allowed in both modes."""
     policy = policies("fixed", 10, CENTURY_MS)
     figures = {}
+    conns = sessions(n, test_clock_ms=0)
+    pids = [c.info.backend_pid for c in conns]
     for mode in ("shared", "backend"):
-        conns = sessions(n, transport=mode, test_clock_ms=0)
-        pids = [c.info.backend_pid for c in conns]
+        for conn in conns:
+            set_gucs(conn, transport=mode)
         base = new_ident("count-%s" % mode)
         allowed = [0] * n
 
@@ -496,7 +505,6 @@ def test_connection_count(shared_server, sessions, policies, capsys, n):
         else:
             assert from_sessions == n, clients
             assert all(clients.get(p) == 1 for p in pids), clients
-        close_and_wait(conns)
     with capsys.disabled():
         for mode, (total, own, elapsed) in figures.items():
             print("\n[test_shared] %3d sessions, transport=%-7s: %3d Redis connections from "
