@@ -69,6 +69,23 @@ def cluster_settings(pg, **settings):
         wait_for_settings(before)
 
 
+def where_the_call_went(pg, conn, r, identity):
+    """What the session and the servers say of a decision whose key r does
+    not hold (for the failure message of a test that once failed so in a
+    full run and never alone)."""
+    settings = conn.execute(
+        "SELECT string_agg(name || '=' || setting, ' ') FROM pg_settings "
+        "WHERE name LIKE 'rl_redis.%' AND name NOT LIKE '%password%'").fetchone()[0]
+    pid = conn.info.backend_pid
+    connections = pg.execute(
+        "SELECT * FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchall()
+    main = pg.execute("SELECT current_setting('rl_redis.port')").fetchone()[0]
+    return ("the session's settings: %s; its backend: %s; r (port %d) holds %s keys; "
+            "the cluster's rl_redis.port: %s; the call's policy row: %s"
+            % (settings, connections, r.port, r.cli("DBSIZE"), main,
+               pg.execute("SELECT * FROM rl_policy WHERE name LIKE 'secrets.%'").fetchall()))
+
+
 def current_settings(names):
     """{name: value} of rl_redis.<name> in a new superuser session (with
     GUC_UNIT_MS settings in ms, as ALTER SYSTEM was given them)."""
@@ -184,7 +201,8 @@ def test_password_in_config_is_hidden_from_ordinary_roles(pg, redis_factory, app
             # decisions through a policy work, with the configured password
             identity = new_ident("secret")
             assert conn.execute("SELECT rl_allow(%s, %s)", (policy, identity)).fetchone()[0] is True
-            assert r.cli("KEYS", "rl:fixed.2:*%s*" % identity.split(":")[-1])
+            assert r.cli("KEYS", "rl:fixed.2:*%s*" % identity.split(":")[-1]), \
+                where_the_call_went(pg, conn, r, identity)
             # and once the extension ran, still nothing shows it
             assert_password_hidden(conn, [password])
             # the library was preloaded: no warning about the password
