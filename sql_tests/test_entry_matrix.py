@@ -2,14 +2,18 @@
 matrix (issue 19): one set of promises, kept by each way in.
 
 Cells: rl_redis.transport = backend and shared on a standalone Redis, and
-Redis Cluster (3 masters, 3 replicas) with transport = backend only: the
-shared transport needs mode = standalone (a session in cluster mode uses
-its own connections), so there is no shared cell for the cluster. The
-standalone cells run on one preloading server of the module
-(conftest's shared_server, its worker and its own Redis), the cluster cell
-on the run's server and the module's cluster (redis_topology's
-redis_cluster); each kind is an xdist group of its own, so that one worker
-starts each server once.
+both on Redis Cluster (3 masters, 3 replicas). The shared transport serves
+standalone Redis only: in cluster mode a session under transport = shared
+uses its own connections (README, "The shared transport"), and the
+shared-cluster cell checks that it does, beside a worker that runs. The
+standalone cells and the shared-cluster cell run on one preloading server
+of the module (conftest's shared_server, its worker connected to its own
+Redis), the cluster cell on the run's server; both cluster cells use the
+module's cluster (redis_topology's redis_cluster). The standalone cells are
+one xdist group and the cluster cells another: the worker of a group starts
+the servers the group needs once (shared_server in each group: the
+shared-cluster cell in the standalone group would start the cluster there
+instead, and leave that group with three cells of four).
 
 Entry paths: the explicit decisions rl_<algorithm> and
 rl_<algorithm>_allow, the policies rl_check / rl_allow and rl_check_all /
@@ -50,7 +54,9 @@ test's own (rl_redis.key_prefix), on the frozen test clock:
              is accepted and writes no key, one of 1 MB + 1 is 54000
 In the shared cell, every path but the batches (which go on the session's
 own connection by design) is served by the worker: the session opens no
-connection of its own.
+connection of its own. In the shared-cluster cell, every path goes on the
+session's own connections: CLIENT LIST of the masters shows the session's
+and none of the worker's.
 """
 
 import os
@@ -60,8 +66,8 @@ import pytest
 from psycopg import sql
 
 import conftest
-from conftest import (give_back_session, new_ident, own_connection_open, readme_privileges, set_gucs,
-                      take_session, wait_for)
+from conftest import (give_back_session, new_ident, own_connection_open, readme_privileges,
+                      redis_clients, set_gucs, take_session, wait_for)
 from redis_topology import made_policies, redis_cluster  # noqa: F401
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -76,7 +82,7 @@ COLS = "(r).allowed, (r).remaining"
 STANDALONE = pytest.mark.xdist_group("entry_matrix_standalone")
 CLUSTER = pytest.mark.xdist_group("entry_matrix_cluster")
 CELLS = [pytest.param("backend", marks=STANDALONE), pytest.param("shared", marks=STANDALONE),
-         pytest.param("cluster", marks=CLUSTER)]
+         pytest.param("cluster", marks=CLUSTER), pytest.param("shared-cluster", marks=CLUSTER)]
 
 
 # ---------------------------------------------------------------- a cell
@@ -87,9 +93,10 @@ class Cell:
     test's key prefix), an admin session, policies and guarded tables of
     the test's own, the keys under the prefix, roles granted nothing."""
 
-    def __init__(self, name, connect, point, nodes, node_of):
+    def __init__(self, name, connect, point, nodes, node_of, server=None):
         self.name, self._connect, self._point, self.nodes = name, connect, point, nodes
         self.node_of = node_of  # the node that holds an identity's keys
+        self.server = server  # the preloading PgServer of the shared cells
         self.prefix = "rlm%s:" % os.urandom(6).hex()
         self.conns, self.roles, self.tables = [], [], []
         self.admin = self._connect()
@@ -146,21 +153,37 @@ class Cell:
         give_back_session(self.admin)
 
 
+    def connections_of(self, conn):
+        """(the session's, the worker's) connections to the cell's nodes,
+        as Redis's CLIENT LIST shows them (the shared cluster cell)."""
+        backend, worker = conn.info.backend_pid, self.server.worker_pid()
+        clients = [redis_clients(node, [backend, worker]) for node in self.nodes]
+        return sum(c.get(backend, 0) for c in clients), sum(c.get(worker, 0) for c in clients)
+
+
 @pytest.fixture(params=CELLS)
 def cell(request):
-    """The cell of the test's parameter (backend, shared or cluster)."""
-    if request.param == "cluster":
+    """The cell of the test's parameter (backend, shared, cluster or
+    shared-cluster)."""
+    if request.param in ("cluster", "shared-cluster"):
         cluster = request.getfixturevalue("redis_cluster")
         masters = cluster.masters()
+        transport = "shared" if request.param == "shared-cluster" else "backend"
 
         def point(conn):
-            set_gucs(conn, mode="cluster", nodes=masters[0].addr, retry_interval=0)
-        made = Cell("cluster", take_session, point, masters, cluster.master_of_identity)
+            set_gucs(conn, mode="cluster", nodes=masters[0].addr, retry_interval=0,
+                     transport=transport)
+        if transport == "shared":  # a server whose worker runs (on its own Redis)
+            server = request.getfixturevalue("shared_server")
+            made = Cell(request.param, lambda: take_session(server), point, masters,
+                        cluster.master_of_identity, server)
+        else:
+            made = Cell(request.param, take_session, point, masters, cluster.master_of_identity)
     else:
         server = request.getfixturevalue("shared_server")
         transport = request.param
         made = Cell(transport, lambda: take_session(server), lambda conn: set_gucs(conn, transport=transport),
-                    [server.redis], lambda identity: server.redis)
+                    [server.redis], lambda identity: server.redis, server)
     try:
         yield made
     finally:
@@ -397,7 +420,8 @@ def public(functions):
 def test_limit(cell, path):
     """lim 3: 3 of 5 in one transaction, then nothing more (a rate) or the
     3 slots back (concurrency); in the shared cell, only the batches open a
-    connection of the session's own."""
+    connection of the session's own; in the shared-cluster cell, every
+    path uses the session's own connections and none of the worker's."""
     conn = cell.session()
     for algorithm in path.algorithms:
         ctx = path.prepare(cell, algorithm, LIM)
@@ -411,6 +435,10 @@ def test_limit(cell, path):
             assert path.calls(conn, ctx, ident, 2) == [False, False], algorithm
     if cell.name == "shared":
         assert own_connection_open(conn) is not path.via_worker
+    if cell.name == "shared-cluster":  # the worker runs, and serves none of it
+        assert own_connection_open(conn)
+        session, worker = cell.connections_of(conn)
+        assert session > 0 and worker == 0, (session, worker)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=repr)
