@@ -52,6 +52,21 @@ test's own (rl_redis.key_prefix), on the frozen test clock:
              3 of 5 allowed; the bound of a refund is 1 MB, not
              max_identity_bytes: a refund of max_identity_bytes + 1 bytes
              is accepted and writes no key, one of 1 MB + 1 is 54000
+  inspect    (rl_inspect, a dry run, on a policy of each algorithm and a
+             concurrency policy) the full quota and no key on a fresh
+             identity; with 2 units taken, what is left and every key's
+             value and expiry as they were; then exactly lim - 2 more pass;
+             max_identity_bytes + 1: 54000; a role granted nothing inspects
+             as the README's table says, and charges nothing
+  releases   (rl_release, rl_concurrency_release) lim 3 held by one
+             transaction: a release frees exactly one slot, a release of
+             none held is false, and the COMMIT after frees nothing of
+             another session's; the bound is 1 MB, as for refunds; a role
+             granted nothing frees no slot another session holds
+  reset      (rl_reset) an identity used up under every algorithm, by an
+             explicit limit and a policy, and holding a slot: every key of
+             it deleted, the full quota again, a neighbour's keys as they
+             were; the bound is 1 MB; a role granted nothing: 42501
 In the shared cell, every path but the batches (which go on the session's
 own connection by design) is served by the worker: the session opens no
 connection of its own. In the shared-cluster cell, every path goes on the
@@ -112,18 +127,31 @@ class Cell:
         set_gucs(conn, key_prefix=self.prefix, **gucs)
         return conn
 
-    def keys(self):
-        """Every key under the test's prefix, on every node."""
-        found = []
+    def _scan(self):
+        """(node, key) of every key under the test's prefix, on every node."""
         for node in self.nodes:
             cursor = "0"
             while True:
                 cursor, batch = node.command("SCAN", cursor, "MATCH", self.prefix + "*",
                                              "COUNT", 1000)
-                found += batch
+                for key in batch:
+                    yield node, key
                 if cursor == "0":
                     break
-        return found
+
+    def keys(self):
+        """Every key under the test's prefix, on every node."""
+        return [key for _, key in self._scan()]
+
+    def snapshot(self):
+        """{key: (DUMP, PEXPIRETIME)} of every key under the test's prefix:
+        the state and absolute expiry Redis holds."""
+        return {key: (node.command("DUMP", key), node.command("PEXPIRETIME", key))
+                for node, key in self._scan()}
+
+    def keys_of(self, identity):
+        """The keys under the prefix of one identity ({identity} in them)."""
+        return sorted(k for k in self.keys() if "{%s}" % identity in k)
 
     def guarded_table(self, trigger):
         """A new table (tenant text) with the trigger trigger % table."""
@@ -416,6 +444,17 @@ def public(functions):
 # ---------------------------------------------------------------- the cells
 
 
+def check_own_connections(cell, conn, via_worker):
+    """In the shared cell, the session opened a connection of its own
+    exactly when the path does not go through the worker; in the
+    shared-cluster cell, it used its own and none of the worker's."""
+    if cell.name == "shared":
+        assert own_connection_open(conn) is not via_worker
+    if cell.name == "shared-cluster":
+        session, worker = cell.connections_of(conn)
+        assert session > 0 and worker == 0, (session, worker)
+
+
 @pytest.mark.parametrize("path", PATHS, ids=repr)
 def test_limit(cell, path):
     """lim 3: 3 of 5 in one transaction, then nothing more (a rate) or the
@@ -433,12 +472,7 @@ def test_limit(cell, path):
                 assert path.calls(conn, ctx, ident, 5) == ALLOWED_THEN_DENIED
         else:
             assert path.calls(conn, ctx, ident, 2) == [False, False], algorithm
-    if cell.name == "shared":
-        assert own_connection_open(conn) is not path.via_worker
-    if cell.name == "shared-cluster":  # the worker runs, and serves none of it
-        assert own_connection_open(conn)
-        session, worker = cell.connections_of(conn)
-        assert session > 0 and worker == 0, (session, worker)
+    check_own_connections(cell, conn, path.via_worker)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=repr)
@@ -600,3 +634,227 @@ def test_refund_privilege(cell, path):
     assert sqlstate_of(lambda: conn.execute(refund, (ident, 3))) == "42501"
     conn.execute("RESET ROLE")
     assert admin_session.execute(charge, (ident, 0)).fetchone() == (True, 0)
+
+
+# ---------------------------------------------------------------- inspection
+
+INSPECTED = ALGORITHMS + ("concurrency",)
+
+
+def inspect(conn, policy, identity):
+    """(allowed, remaining) of rl_inspect of one unit."""
+    return conn.execute("SELECT (r).allowed, (r).remaining FROM rl_inspect(%s, %s) AS r",
+                        (policy, identity)).fetchone()
+
+
+@pytest.mark.parametrize("algorithm", INSPECTED)
+def test_inspect_charges_nothing(cell, algorithm):
+    """rl_inspect (a dry run) of a fresh identity: the full quota, five
+    times, and no key; with 2 units taken (2 slots held, in the holder's
+    open transaction): what is left, five times, and every key under the
+    prefix as it was (value and expiry); then exactly lim - 2 more pass."""
+    concurrency = algorithm == "concurrency"
+    policy = cell.policy(algorithm, LIM, LEASE_MS if concurrency else WINDOW_MS)
+    take = "SELECT %s(%%s, %%s)" % ("rl_acquire_allow" if concurrency else "rl_allow")
+    # a concurrency inspection counts the slots held; a rate one, the unit it asks
+    full = LIM if concurrency else LIM - 1
+    conn, holder = cell.session(), cell.session()
+    ident = new_ident("inspect")
+    assert [inspect(conn, policy, ident) for _ in range(5)] == [(True, full)] * 5
+    assert cell.keys() == []
+    with holder.transaction():
+        assert [holder.execute(take, (policy, ident)).fetchone()[0] for _ in range(2)] == [True] * 2
+        before = cell.snapshot()
+        assert [inspect(conn, policy, ident) for _ in range(5)] == [(True, full - 2)] * 5
+        assert cell.snapshot() == before
+        assert [holder.execute(take, (policy, ident)).fetchone()[0] for _ in range(3)] == \
+            [True, False, False]
+    assert inspect(conn, policy, ident) == ((True, full) if concurrency else (False, 0))
+    check_own_connections(cell, conn, True)
+
+
+@pytest.mark.parametrize("algorithm", ("fixed", "concurrency"))
+def test_inspect_identity_bound(cell, algorithm):
+    """rl_inspect of max_identity_bytes + 1 bytes: 54000; of the bound:
+    decided; no key written either way."""
+    policy = cell.policy(algorithm, LIM, LEASE_MS if algorithm == "concurrency" else WINDOW_MS)
+    conn = cell.session()
+    bound = max_identity_bytes(conn)
+    long = identity_of(bound + 1, "long")
+    assert sqlstate_of(lambda: inspect(conn, policy, long)) == "54000"
+    assert inspect(conn, policy, identity_of(bound, "bound"))[0] is True
+    assert cell.keys() == []
+
+
+def test_inspect_privilege(cell):
+    """A role granted nothing inspects as the README's privilege table
+    says (rl_inspect with the policy decisions): what is left of a quota
+    another session used, and nothing charged; or 42501."""
+    policy = cell.policy("fixed", LIM, WINDOW_MS)
+    ident = new_ident("inspect")
+    admin_session = cell.session()
+    assert admin_session.execute("SELECT rl_allow(%s, %s)", (policy, ident)).fetchone()[0]
+    before = cell.snapshot()
+    conn = cell.session()
+    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(cell.role())))
+    if public(["rl_inspect"]):
+        assert [inspect(conn, policy, ident) for _ in range(5)] == [(True, LIM - 2)] * 5
+    else:
+        assert sqlstate_of(lambda: inspect(conn, policy, ident)) == "42501"
+    conn.execute("RESET ROLE")
+    assert cell.snapshot() == before
+
+
+# ---------------------------------------------------------------- releases
+
+
+class Release:
+    """An explicit release and the acquire whose slot it gives back."""
+
+    def __init__(self, name):
+        self.name = name
+        self.functions = [name]
+
+    def prepare(self, cell, lim):
+        """(acquire, release): queries of one identity, each a boolean."""
+        if self.name == "rl_release":
+            policy = sql.Literal(cell.policy("concurrency", lim, LEASE_MS)).as_string(cell.admin)
+            return ("SELECT rl_acquire_allow(%s, %%s)" % policy,
+                    "SELECT rl_release(%s, %%s)" % policy)
+        return ("SELECT rl_concurrency_acquire_allow(%%s, %d, %d)" % (lim, LEASE_MS),
+                "SELECT rl_concurrency_release(%s)")
+
+    def __repr__(self):
+        return self.name
+
+
+RELEASES = [Release("rl_release"), Release("rl_concurrency_release")]
+
+
+def answers(conn, query, identity, n):
+    """The answers of n calls of a boolean query of one identity."""
+    return [conn.execute(query, (identity,)).fetchone()[0] for _ in range(n)]
+
+
+@pytest.mark.parametrize("path", RELEASES, ids=repr)
+def test_release_exact(cell, path):
+    """lim 3, all held by one transaction: a release gives back exactly one
+    slot (another session takes one, not two); the holder's two left give
+    back true, one more false; its COMMIT then gives back nothing of the
+    other's (a third session takes 2 of 3); all back after both ends."""
+    acquire, release = path.prepare(cell, LIM)
+    ident = new_ident("release")
+    holder, other, third = cell.session(), cell.session(), cell.session()
+    holder.execute("BEGIN")
+    assert answers(holder, acquire, ident, 4) == [True] * 3 + [False]
+    assert answers(holder, release, ident, 1) == [True]
+    other.execute("BEGIN")
+    assert answers(other, acquire, ident, 2) == [True, False]
+    assert answers(holder, release, ident, 3) == [True, True, False]
+    holder.execute("COMMIT")
+    with third.transaction():
+        assert answers(third, acquire, ident, 3) == [True, True, False]
+    other.execute("COMMIT")
+    with third.transaction():
+        assert answers(third, acquire, ident, 5) == ALLOWED_THEN_DENIED
+    # an explicit release is a plain Redis command, on the session's own
+    # connection (README, "The shared transport")
+    check_own_connections(cell, holder, False)
+
+
+@pytest.mark.parametrize("path", RELEASES, ids=repr)
+def test_release_identity_bound(cell, path):
+    """A release takes identities up to 1 MB (over max_identity_bytes: it
+    held none, false); over 1 MB: 54000; no key written either way."""
+    acquire, release = path.prepare(cell, LIM)
+    conn = cell.session()
+    over = identity_of(max_identity_bytes(conn) + 1, "over")
+    assert answers(conn, release, over, 1) == [False]
+    too_long = identity_of(MAX_REFUND_IDENTITY + 1, "huge")
+    assert sqlstate_of(lambda: answers(conn, release, too_long, 1)) == "54000"
+    assert cell.keys() == []
+
+
+@pytest.mark.parametrize("path", RELEASES, ids=repr)
+def test_release_privilege(cell, path):
+    """A role granted nothing releases as the README's table says: false
+    (it holds nothing) or 42501; either way the slot another session holds
+    (lim 1) stays taken."""
+    acquire, release = path.prepare(cell, 1)
+    ident = new_ident("release")
+    holder, other = cell.session(), cell.session()
+    holder.execute("BEGIN")
+    assert answers(holder, acquire, ident, 1) == [True]
+    conn = cell.session()
+    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(cell.role())))
+    if public(path.functions):
+        assert answers(conn, release, ident, 2) == [False, False]
+    else:
+        assert sqlstate_of(lambda: answers(conn, release, ident, 1)) == "42501"
+    conn.execute("RESET ROLE")
+    with other.transaction():
+        assert answers(other, acquire, ident, 1) == [False]
+    holder.execute("COMMIT")
+
+
+# ---------------------------------------------------------------- reset
+
+
+def test_reset_exact(cell):
+    """rl_reset of an identity used up under every algorithm (an explicit
+    limit and a policy each) and holding the only slot of an explicit
+    concurrency limit: every key of the identity gone, the full quota
+    again (3 of 5 each) and the slot free for another session; a
+    neighbour's keys as they were; the holder's COMMIT then frees nothing
+    of the other's."""
+    conn, holder, other = cell.session(), cell.session(), cell.session()
+    ident, neighbour = new_ident("reset"), new_ident("neighbour")
+    explicit = "SELECT rl_%s_allow(%%s, %d, %d)"
+    policies = {a: sql.Literal(cell.policy(a, LIM, WINDOW_MS)).as_string(cell.admin)
+                for a in ALGORITHMS}
+    queries = [explicit % (a, LIM, WINDOW_MS) for a in ALGORITHMS] + \
+        ["SELECT rl_allow(%s, %%s)" % policies[a] for a in ALGORITHMS]
+    for query in queries:
+        assert answers(conn, query, ident, 5) == ALLOWED_THEN_DENIED, query
+        assert answers(conn, query, neighbour, 1) == [True], query
+    slot = "SELECT rl_concurrency_acquire_allow(%%s, 1, %d)" % LEASE_MS
+    holder.execute("BEGIN")
+    assert answers(holder, slot, ident, 1) == [True]
+    neighbours = {k: v for k, v in cell.snapshot().items() if "{%s}" % neighbour in k}
+    assert len(neighbours) == len(queries)
+    conn.execute("SELECT rl_reset(%s)", (ident,))
+    assert cell.keys_of(ident) == []
+    assert {k: v for k, v in cell.snapshot().items() if "{%s}" % neighbour in k} == neighbours
+    for query in queries:
+        assert answers(conn, query, ident, 5) == ALLOWED_THEN_DENIED, query
+    other.execute("BEGIN")
+    assert answers(other, slot, ident, 2) == [True, False]
+    holder.execute("COMMIT")
+    with conn.transaction():
+        assert answers(conn, slot, ident, 1) == [False]
+    other.execute("COMMIT")
+
+
+def test_reset_identity_bound(cell):
+    """rl_reset takes identities up to 1 MB (over max_identity_bytes: there
+    is nothing to delete); over 1 MB: 54000; no key written either way."""
+    conn = cell.session()
+    conn.execute("SELECT rl_reset(%s)", (identity_of(max_identity_bytes(conn) + 1, "over"),))
+    too_long = identity_of(MAX_REFUND_IDENTITY + 1, "huge")
+    assert sqlstate_of(lambda: conn.execute("SELECT rl_reset(%s)", (too_long,))) == "54000"
+    assert cell.keys() == []
+
+
+def test_reset_privilege(cell):
+    """A role granted nothing may not reset (as the README's table says):
+    42501 and every key as it was."""
+    ident = new_ident("reset")
+    admin_session = cell.session()
+    assert admin_session.execute("SELECT rl_fixed_allow(%s, 3, 60000)", (ident,)).fetchone()[0]
+    before = cell.snapshot()
+    conn = cell.session()
+    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(cell.role())))
+    assert not public(["rl_reset"])
+    assert sqlstate_of(lambda: conn.execute("SELECT rl_reset(%s)", (ident,))) == "42501"
+    conn.execute("RESET ROLE")
+    assert cell.snapshot() == before
