@@ -42,6 +42,8 @@ test's own (rl_redis.key_prefix), on the frozen test clock:
              statement_timeout (57014) while the node holding the slot is
              held by CLIENT PAUSE (the call sent, or queued for the worker);
              once the pause ends, another session takes the slot within 5 s
+  cancel     the same with pg_cancel_backend, the node held by CLIENT
+             PAUSE WRITE until the call was cancelled
   privilege  a role granted nothing (SET ROLE in a session the superuser
              set up) can execute the path exactly when the README's
              privilege table gives its functions to PUBLIC: then the limit
@@ -81,8 +83,8 @@ import pytest
 from psycopg import sql
 
 import conftest
-from conftest import (give_back_session, new_ident, own_connection_open, readme_privileges,
-                      redis_clients, set_gucs, take_session, wait_for)
+from conftest import (QueryThread, give_back_session, new_ident, own_connection_open,
+                      readme_privileges, redis_clients, set_gucs, take_session, wait_for)
 from redis_topology import made_policies, redis_cluster  # noqa: F401
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute (2027-01-15)
@@ -90,6 +92,7 @@ WINDOW_MS = 60000
 LEASE_MS = 600000  # 10 minutes: no slot's lease ends during a test
 LIM = 3
 PAUSE_MS = 400  # CLIENT PAUSE of the node holding a timed-out acquire
+CANCEL_PAUSE_MS = 60000  # the same for a cancelled one (lifted by CLIENT UNPAUSE)
 MAX_REFUND_IDENTITY = 1024 * 1024  # the bound of what only touches existing state
 ALGORITHMS = conftest.ALGORITHMS
 COLS = "(r).allowed, (r).remaining"
@@ -516,6 +519,15 @@ def wait_until_taken(path, conn, ctx, identity, what):
     wait_for(taken, 5.0, what)
 
 
+def connect_first(path, holder, ctx, identity):
+    """Takes and gives back the slot in a transaction of the holder's own,
+    so that its connection (or the worker's) to the node is open and an
+    interrupt that follows ends the acquire, not a connect that sent
+    nothing."""
+    with holder.transaction():
+        assert path.calls(holder, ctx, identity, 1) == [True]
+
+
 @pytest.mark.parametrize("path", CONCURRENCY_PATHS, ids=repr)
 def test_terminated_holder_gives_back(cell, path):
     """The holder of the only slot terminated in its transaction: another
@@ -547,6 +559,47 @@ def test_timed_out_acquire_gives_back(cell, path):
     assert sqlstate_of(lambda: path.calls(holder, ctx, ident, 1)) == "57014"
     holder.execute("ROLLBACK")
     wait_until_taken(path, other, ctx, ident, "the timed-out acquire's slot")
+
+
+def waiting_in_extension(admin, pid):
+    """Whether the backend runs a query and waits in rl_redis (on its Redis
+    socket or the worker's reply)."""
+    return admin.execute("SELECT count(*) = 1 FROM pg_stat_activity WHERE pid = %s "
+                         "AND state = 'active' AND wait_event_type = 'Extension'",
+                         (pid,)).fetchone()[0]
+
+
+@pytest.mark.parametrize("path", CONCURRENCY_PATHS, ids=repr)
+def test_cancelled_acquire_gives_back(cell, path):
+    """An acquire (lim 1) cancelled by pg_cancel_backend while it waits for
+    Redis (the node of its key paused by CLIENT PAUSE WRITE: the call sent,
+    or taken by the worker): 57014; the pause lifted and the holder's block
+    rolled back, another session takes the slot within 5 s (the lease is 10
+    minutes): the release queued at the abort reached Redis after the
+    acquire. Without that release (rl_release_asking in src/slots.c
+    dropping it), every cell fails here."""
+    ctx = path.prepare(cell, "concurrency", 1)
+    ident = new_ident("cancel")
+    holder, other = cell.session(), cell.session()
+    pid = holder.info.backend_pid
+    connect_first(path, holder, ctx, ident)
+    node = cell.node_of(ident)
+    holder.execute("BEGIN")
+    # WRITE: the scripts wait, and CLIENT UNPAUSE still runs (Redis 7.0
+    # makes it wait too under ALL)
+    node.command("CLIENT", "PAUSE", str(CANCEL_PAUSE_MS), "WRITE")
+    try:
+        call = QueryThread(holder, ctx, (ident,))
+        call.start()
+        wait_for(lambda: waiting_in_extension(cell.admin, pid), 10.0, "the acquire to wait for Redis")
+        assert cell.admin.execute("SELECT pg_cancel_backend(%s)", (pid,)).fetchone()[0]
+        call.join(30)
+        assert not call.is_alive(), "the cancel did not end the acquire within 30 s"
+        assert isinstance(call.error, psycopg.errors.QueryCanceled), call.error
+    finally:
+        node.command("CLIENT", "UNPAUSE")
+    holder.execute("ROLLBACK")
+    wait_until_taken(path, other, ctx, ident, "the cancelled acquire's slot")
 
 
 @pytest.mark.parametrize("path", PATHS, ids=repr)
