@@ -40,8 +40,10 @@ test's own (rl_redis.key_prefix), on the frozen test clock:
              5 s (the lease cannot have ended)
   timeout    the concurrency paths: an acquire (lim 1) ended by
              statement_timeout (57014) while the node holding the slot is
-             held by CLIENT PAUSE (the call sent, or queued for the worker);
-             once the pause ends, another session takes the slot within 5 s
+             held by CLIENT PAUSE (the call sent, or queued for the worker;
+             the holder's connection opened first, so that the timeout
+             ends the acquire, not a connect); once the pause ends, another
+             session takes the slot within 5 s
   cancel     the same with pg_cancel_backend, the node held by CLIENT
              PAUSE WRITE until the call was cancelled
   privilege  a role granted nothing (SET ROLE in a session the superuser
@@ -553,6 +555,7 @@ def test_timed_out_acquire_gives_back(cell, path):
     ctx = path.prepare(cell, "concurrency", 1)
     ident = new_ident("timeout")
     holder, other = cell.session(), cell.session()
+    connect_first(path, holder, ctx, ident)
     holder.execute("SET statement_timeout = '100ms'")
     holder.execute("BEGIN")
     cell.node_of(ident).command("CLIENT", "PAUSE", str(PAUSE_MS), "ALL")
