@@ -5,6 +5,7 @@ MODULE_big = rl_redis
 OBJS = \
 	src/rl_redis.o \
 	src/guc.o \
+	src/checks.o \
 	src/stats.o \
 	src/denycache.o \
 	src/keys.o \

@@ -8,6 +8,9 @@
  *                    files and by src/embed_lua.sh
  * src/guc.c          the rl_redis.* settings, and the seeds they name
  *                    (rl_seeds)
+ * src/checks.c       the one argument checker: an identity's bound
+ *                    (rl_check_identity), a limit's numbers
+ *                    (rl_check_limit), a cost, a window, not null
  * src/keys.c         the one format of the keys in Redis: built, parsed,
  *                    matched (rl_build_key, rl_parse_key, rl_key_of)
  * src/stats.c        counters of the decisions per database and policy
@@ -69,9 +72,9 @@
  * src/slots.c        the concurrency slots a backend holds: taken, given
  *                    back early, or when their (sub)transaction ends
  * src/engine.c       the one entry point of every charge (rl_decide):
- *                    arguments checked, keys, script calls, rl_result; a
- *                    several-keys call is split per cluster hash slot;
- *                    batch decisions; a slot taken (slots.c)
+ *                    charges checked (checks.c), keys, script calls,
+ *                    rl_result; a several-keys call is split per Cluster
+ *                    hash slot; batch decisions; a slot taken (slots.c)
  * src/policy.c       named policies (rl_policy) and several limits at once
  * src/concurrency.c  the SQL functions of concurrency limits
  * src/guard.c        trigger functions that rate-limit writes
@@ -822,6 +825,8 @@ extern void rl_identity_keys(text *identity, StringInfo pattern,
 							 StringInfo tag);
 extern bool rl_key_of(const char *key, size_t len, StringInfo tag);
 extern StringInfo rl_copy_key(StringInfo key);
+
+/* the one argument checker (checks.c) */
 extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 							  const char *name);
 extern void rl_check_identity(size_t len, Relation rel, bool existing);
@@ -830,6 +835,8 @@ extern int32 rl_get_cost(FunctionCallInfo fcinfo, int argno, const char *name);
 extern int64 rl_get_window_ms(FunctionCallInfo fcinfo, int argno,
 							  const char *name);
 extern void rl_check_limit(const RlLimit *limit);
+
+/* a batch: identities decided each under one limit (engine.c) */
 extern void rl_batch_rows(FunctionCallInfo fcinfo, const RlLimit *limit,
 						  const char *policy, int argno, int32 cost);
 
