@@ -4,6 +4,7 @@ EXTENSION = rl_redis
 MODULE_big = rl_redis
 OBJS = \
 	src/rl_redis.o \
+	src/registry.o \
 	src/guc.o \
 	src/checks.o \
 	src/stats.o \
@@ -63,7 +64,7 @@ include $(PGXS)
 src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh src/algorithms.h
 	sh src/embed_lua.sh lua src/algorithms.h > $@.tmp && mv $@.tmp $@
 
-src/scripts.o src/scripts.bc: src/lua_scripts.h
+src/registry.o src/registry.bc: src/lua_scripts.h
 $(OBJS): src/rl_redis.h src/compat.h src/algorithms.h
 src/resp.o src/queue.o src/conn.o src/io.o src/connect.o src/idle.o src/xact_queue.o src/command.o: src/conn_internal.h
 

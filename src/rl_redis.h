@@ -6,6 +6,8 @@
  *
  * src/algorithms.h   the table of algorithms, one line each, read by the C
  *                    files and by src/embed_lua.sh
+ * src/registry.c     the algorithms (rl_algorithms) and the Lua scripts
+ *                    compiled in, with their SHA1; found by id or text
  * src/guc.c          the rl_redis.* settings, and the seeds they name
  *                    (rl_seeds)
  * src/checks.c       the one argument checker: an identity's bound
@@ -51,8 +53,8 @@
  *                    work its transaction ends left), ASKING, a Redis error
  *                    reply as a failure
  *
- * src/scripts.c      the algorithms and the Lua script registry (EVALSHA,
- *                    reload on NOSCRIPT), the scripts' shared arguments
+ * src/scripts.c      running a script on a connection (EVALSHA, reload on
+ *                    NOSCRIPT), the scripts' shared arguments
  * src/standalone.c   the standalone topology: the one configured server
  * src/cluster.c      the cluster topology: the slot map (CRC16, CLUSTER
  *                    SLOTS, the node table, its refresh), a redirection's
@@ -536,7 +538,7 @@ extern const RlTopology rl_topologies[RL_NUM_MODES];
 extern const RlTopology *rl_topology(void);
 extern RlReplyAction rl_reply_action(RlReplyError what);
 
-/* scripts and algorithms (scripts.c) */
+/* the algorithms and the scripts compiled in (registry.c) */
 typedef struct RlScript
 {
 	const char *body;
@@ -581,7 +583,10 @@ extern const RlScript rl_script_check_many;
 extern const RlScript *rl_script_by_id(int id);
 extern const RlScript *rl_script_by_text(size_t len, uint64 hash);
 
-/* argv[0] and argv[1] are left for rl_run_script to fill in */
+/*
+ * running a script (scripts.c): argv[0] and argv[1] are left for
+ * rl_run_script to fill in
+ */
 #define RL_SCRIPT_ARGV_RESERVED 2
 
 extern redisReply *rl_run_script(RlConn *conn, const RlScript *script,

@@ -1,78 +1,17 @@
 /*
  * scripts.c
- *	  The Lua script registry: the algorithms of algorithms.h and the
- *	  scripts that serve several, and the arguments all scripts share.
+ *	  Running a script of the registry (registry.c) on a connection, and
+ *	  the arguments all scripts share.
  *
- * Each script is compiled into the library together with its SHA1
- * (src/embed_lua.sh). Scripts run by EVALSHA; when Redis does not know the
- * script (NOSCRIPT: a restart, SCRIPT FLUSH, a failover) the same call is
- * sent once more as EVAL with the script's text, which also loads it for the
- * calls after.
+ * Scripts run by EVALSHA; when Redis does not know the script (NOSCRIPT: a
+ * restart, SCRIPT FLUSH, a failover) the same call is sent once more as
+ * EVAL with the script's text, which also loads it for the calls after.
  */
 #include "postgres.h"
 
-#include "common/hashfn.h"
 #include "utils/builtins.h"
 
 #include "rl_redis.h"
-#include "lua_scripts.h"
-
-/* The algorithms of algorithms.h, in its order (RL_ALG_<name>). */
-const RlAlgorithm rl_algorithms[RL_NUM_ALGORITHMS] = {
-#define RL_ALGORITHM(name, lua_file, key_kind, refund_subtracts, keeps_records, log, bucket) \
-	{#name, key_kind, {RL_LUA_ALG_##name, RL_LUA_ALG_##name##_SHA, RL_ALG_##name}, \
-	 refund_subtracts, keeps_records, log, bucket},
-#include "algorithms.h"
-#undef RL_ALGORITHM
-};
-
-const RlScript rl_script_check_all = {RL_LUA_CHECK_ALL, RL_LUA_CHECK_ALL_SHA, RL_NUM_ALGORITHMS};
-const RlScript rl_script_refund = {RL_LUA_REFUND, RL_LUA_REFUND_SHA, RL_NUM_ALGORITHMS + 1};
-const RlScript rl_script_forget = {RL_LUA_FORGET, RL_LUA_FORGET_SHA, RL_NUM_ALGORITHMS + 2};
-const RlScript rl_script_concurrency = {RL_LUA_CONCURRENCY, RL_LUA_CONCURRENCY_SHA, RL_NUM_ALGORITHMS + 3};
-const RlScript rl_script_denial_note = {RL_LUA_DENIAL_NOTE, RL_LUA_DENIAL_NOTE_SHA, RL_NUM_ALGORITHMS + 4};
-const RlScript rl_script_denial_top = {RL_LUA_DENIAL_TOP, RL_LUA_DENIAL_TOP_SHA, RL_NUM_ALGORITHMS + 5};
-const RlScript rl_script_check_many = {RL_LUA_CHECK_MANY, RL_LUA_CHECK_MANY_SHA, RL_NUM_ALGORITHMS + 6};
-
-/* The script of id (RlScript.id), or NULL. */
-const RlScript *
-rl_script_by_id(int id)
-{
-	static const RlScript *const shared[] = {
-		&rl_script_check_all, &rl_script_refund, &rl_script_forget,
-		&rl_script_concurrency, &rl_script_denial_note, &rl_script_denial_top,
-		&rl_script_check_many
-	};
-
-	StaticAssertStmt(lengthof(shared) == RL_NUM_SCRIPTS - RL_NUM_ALGORITHMS,
-					 "every shared script is listed");
-	if (id >= 0 && id < RL_NUM_ALGORITHMS)
-		return &rl_algorithms[id].script;
-	if (id >= RL_NUM_ALGORITHMS && id < RL_NUM_SCRIPTS)
-		return shared[id - RL_NUM_ALGORITHMS];
-	return NULL;
-}
-
-/*
- * The script whose text is len bytes with that hash_bytes_extended (seed
- * 0), or NULL: how the worker finds the script of an EVAL a session handed
- * over.
- */
-const RlScript *
-rl_script_by_text(size_t len, uint64 hash)
-{
-	int			id;
-
-	for (id = 0; id < RL_NUM_SCRIPTS; id++)
-	{
-		const RlScript *script = rl_script_by_id(id);
-
-		if (strlen(script->body) == len &&
-			hash_bytes_extended((const unsigned char *) script->body, len, 0) == hash)
-			return script;
-	}
-	return NULL;
-}
 
 StaticAssertDecl(RL_NUM_SCRIPTS <= 32, "a connection keeps its loaded scripts in 32 bits");
 
