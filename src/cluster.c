@@ -335,7 +335,7 @@ out:
  * failure filled in when the map is not known or names no node for the
  * slot.
  */
-RlConn *
+static RlConn *
 rl_cluster_route(const char *key, size_t keylen, bool *may_ask,
 				 RlFailure *failure)
 {
@@ -367,7 +367,7 @@ rl_cluster_route(const char *key, size_t keylen, bool *may_ask,
 }
 
 /* The master of key's hash slot in the map known, else NULL; no I/O. */
-RlConn *
+static RlConn *
 rl_cluster_known(const char *key, size_t keylen)
 {
 	if (slot_node == NULL || slot_node[rl_key_hash_slot(key, keylen)] == 0)
@@ -380,7 +380,7 @@ rl_cluster_known(const char *key, size_t keylen)
  * serves a hash slot in it. Returns how many, or -1 with failure filled
  * in.
  */
-int
+static int
 rl_cluster_masters(RlConn ***conns, RlFailure *failure)
 {
 	int			n = 0;
@@ -403,7 +403,7 @@ rl_cluster_masters(RlConn ***conns, RlFailure *failure)
 }
 
 /* A connection failed, or a node refused: the next route fetches the map. */
-void
+static void
 rl_cluster_failed(RlConn *conn)
 {
 	map_stale = true;
@@ -414,7 +414,7 @@ rl_cluster_failed(RlConn *conn)
  * or NULL when RL_MAX_NODES are known already. MOVED also gives the hash
  * slot to that node and asks for a fresh map.
  */
-RlConn *
+static RlConn *
 rl_cluster_redirect(const RlRedirect *to, bool moved)
 {
 	int			index = rl_node_index(to->host, to->port);
@@ -430,7 +430,7 @@ rl_cluster_redirect(const RlRedirect *to, bool moved)
 }
 
 /* Forgets the slot map (the servers changed). */
-void
+static void
 rl_cluster_forget(void)
 {
 	nnodes = 0;
@@ -440,3 +440,13 @@ rl_cluster_forget(void)
 	map_stale = false;
 	map_fetched_at = 0;
 }
+
+/* How this topology routes a call (router.c). */
+const RlRoutes rl_cluster_routes = {
+	.route = rl_cluster_route,
+	.known = rl_cluster_known,
+	.masters = rl_cluster_masters,
+	.failed = rl_cluster_failed,
+	.redirect = rl_cluster_redirect,
+	.forget = rl_cluster_forget
+};

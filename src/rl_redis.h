@@ -29,12 +29,12 @@
  * src/resp.c         the Redis protocol: a command encoded (RESP), and what
  *                    an error reply means (rl_classify_error, one table;
  *                    the target of MOVED and ASK); a reply's number
- * src/topology.c     the three topologies of rl_redis.mode behind one
- *                    interface (RlTopology) and the one reader of the mode
- *                    (rl_topology); what each does with an error reply
- *                    (rl_reply_action, one table). Their functions are in
- *                    standalone.c, cluster.c and sentinel.c below; only
- *                    router.c calls them
+ * src/topology.c     the three topologies of rl_redis.mode as data any
+ *                    file may read (RlTopology) and the one reader of the
+ *                    mode (rl_topology); what each does with an error reply
+ *                    (rl_reply_action, one table). How each routes a call
+ *                    (RlRoutes) is in standalone.c, cluster.c and
+ *                    sentinel.c below; only router.c calls it
  * src/queue.c        the transaction-end queue of one connection: what
  *                    waits, was written, is confirmed or dropped (no I/O)
  * src/conn.c         the per-backend cache of connections (RlConn, by
@@ -55,11 +55,13 @@
  *
  * src/scripts.c      running a script on a connection (EVALSHA, reload on
  *                    NOSCRIPT), the scripts' shared arguments
- * src/standalone.c   the standalone topology: the one configured server
- * src/cluster.c      the cluster topology: the slot map (CRC16, CLUSTER
- *                    SLOTS, the node table, its refresh), a redirection's
- *                    node
- * src/sentinel.c     the sentinel topology: the master the sentinels name
+ * src/standalone.c   the standalone topology's routes: the one configured
+ *                    server
+ * src/cluster.c      the cluster topology's routes: the slot map (CRC16,
+ *                    CLUSTER SLOTS, the node table, its refresh), a
+ *                    redirection's node
+ * src/sentinel.c     the sentinel topology's routes: the master the
+ *                    sentinels name
  * src/router.c       where a key goes, as the current topology says, and
  *                    the calls that follow what an error reply means there
  *                    (MOVED, ASK, TRYAGAIN, READONLY); batches of calls
@@ -507,27 +509,13 @@ typedef enum RlReplyAction
 } RlReplyAction;
 
 /*
- * A topology: where keys go and what an error reply means there. The
- * functions are called by router.c only; a NULL one has nothing to do.
+ * A topology, as any file may read it: its name, how keys are placed, and
+ * what an error reply means there. How it routes a call is its RlRoutes.
  */
 typedef struct RlTopology
 {
 	const char *name;			/* as rl_redis.mode says it */
-	/* the connection of key's master, or NULL with failure filled in; it
-	 * may ask the servers (slot map, sentinels) only when *may_ask, which
-	 * it then clears */
-	RlConn	   *(*route) (const char *key, size_t keylen, bool *may_ask,
-						  RlFailure *failure);
-	/* the connection a call on key went to last, else NULL; no I/O */
-	RlConn	   *(*known) (const char *key, size_t keylen);
-	/* every master, as rl_route_all (NULL: the route of any key) */
-	int			(*masters) (RlConn ***conns, RlFailure *failure);
-	/* conn failed or refused a write: the next route asks again */
-	void		(*failed) (RlConn *conn);
-	/* the node a MOVED (moved) or ASK reply names, else NULL */
-	RlConn	   *(*redirect) (const RlRedirect *to, bool moved);
-	/* forgets what was learnt of the servers (they changed) */
-	void		(*forget) (void);
+	RlMode		mode;			/* its index in rl_topologies */
 	bool		hash_slots;		/* keys go to the master of their hash slot */
 	bool		one_server;		/* every key goes to rl_redis.host:port: no
 								 * other route; the shared worker may serve it */
@@ -597,27 +585,39 @@ extern redisReply *rl_run_script_asking(RlConn *conn, const RlScript *script,
 										size_t *argvlen, RlFailure *failure);
 extern size_t rl_clock_arg(char *buf);
 
+/*
+ * How a topology routes a call: one of these per topology, in its own file
+ * (standalone.c, cluster.c, sentinel.c), called by router.c only; a NULL
+ * function has nothing to do.
+ */
+typedef struct RlRoutes
+{
+	/* the connection of key's master, or NULL with failure filled in; it
+	 * may ask the servers (slot map, sentinels) only when *may_ask, which
+	 * it then clears */
+	RlConn	   *(*route) (const char *key, size_t keylen, bool *may_ask,
+						  RlFailure *failure);
+	/* the connection a call on key went to last, else NULL; no I/O */
+	RlConn	   *(*known) (const char *key, size_t keylen);
+	/* every master, as rl_route_all (NULL: the route of any key) */
+	int			(*masters) (RlConn ***conns, RlFailure *failure);
+	/* conn failed or refused a write: the next route asks again */
+	void		(*failed) (RlConn *conn);
+	/* the node a MOVED (moved) or ASK reply names, else NULL */
+	RlConn	   *(*redirect) (const RlRedirect *to, bool moved);
+	/* forgets what was learnt of the servers (they changed) */
+	void		(*forget) (void);
+} RlRoutes;
+
 /* the one configured server (standalone.c) */
-extern RlConn *rl_standalone_route(const char *key, size_t keylen,
-								   bool *may_ask, RlFailure *failure);
-extern RlConn *rl_standalone_known(const char *key, size_t keylen);
+extern const RlRoutes rl_standalone_routes;
 
 /* Redis Cluster's slot map (cluster.c) */
 extern int	rl_key_hash_slot(const char *key, size_t len);
-extern RlConn *rl_cluster_route(const char *key, size_t keylen,
-								bool *may_ask, RlFailure *failure);
-extern RlConn *rl_cluster_known(const char *key, size_t keylen);
-extern int	rl_cluster_masters(RlConn ***conns, RlFailure *failure);
-extern void rl_cluster_failed(RlConn *conn);
-extern RlConn *rl_cluster_redirect(const RlRedirect *to, bool moved);
-extern void rl_cluster_forget(void);
+extern const RlRoutes rl_cluster_routes;
 
 /* the master the sentinels name (sentinel.c) */
-extern RlConn *rl_sentinel_route(const char *key, size_t keylen,
-								 bool *may_ask, RlFailure *failure);
-extern RlConn *rl_sentinel_known(const char *key, size_t keylen);
-extern void rl_sentinel_failed(RlConn *conn);
-extern void rl_sentinel_forget(void);
+extern const RlRoutes rl_sentinel_routes;
 
 /* where a key goes, by the current topology (router.c) */
 extern RlConn *rl_route(const char *key, size_t keylen, RlFailure *failure);

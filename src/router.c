@@ -4,8 +4,9 @@
  *	  and calls that follow Redis Cluster's redirections and a Sentinel
  *	  failover.
  *
- * The topology (topology.c: standalone.c, cluster.c, sentinel.c) says where
- * a key goes and what an error reply means; the calls here follow it. A
+ * The topology says where a key goes (its RlRoutes: standalone.c,
+ * cluster.c, sentinel.c) and what an error reply means (topology.c); the
+ * calls here follow it. A
  * redirection (MOVED, or ASK with ASKING) sends the call to the node
  * named; TRYAGAIN and CLUSTERDOWN are retried with a growing pause within
  * rl_redis.command_timeout; a READONLY reply or a connection that failed
@@ -54,9 +55,23 @@ static bool may_ask = true;
 /* the last route failed: its next failure is no new outage (one warning) */
 static bool route_outage = false;
 
+/* how each topology routes a call, by rl_redis.mode */
+static const RlRoutes *const routes[RL_NUM_MODES] = {
+	[RL_MODE_STANDALONE] = &rl_standalone_routes,
+	[RL_MODE_CLUSTER] = &rl_cluster_routes,
+	[RL_MODE_SENTINEL] = &rl_sentinel_routes
+};
+
 /* the routing settings as last seen (see rl_router_settings) */
 static uint64 settings_seen = 0;
 static StringInfoData routing;
+
+/* How the topology rl_redis.mode names routes a call. */
+static const RlRoutes *
+rl_routes(void)
+{
+	return routes[rl_topology()->mode];
+}
 
 /*
  * Takes in a change of the routing settings (mode, and the seeds outside
@@ -93,8 +108,8 @@ rl_router_settings(void)
 	{
 		rl_servers_changed("the connection settings now name other Redis servers");
 		for (i = 0; i < RL_NUM_MODES; i++)
-			if (rl_topologies[i].forget != NULL)
-				rl_topologies[i].forget();
+			if (routes[i]->forget != NULL)
+				routes[i]->forget();
 		resetStringInfo(&routing);
 		appendBinaryStringInfo(&routing, now.data, now.len);
 	}
@@ -113,7 +128,7 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 	RlConn	   *conn;
 
 	rl_router_settings();
-	conn = rl_topology()->route(key, keylen, &may_ask, failure);
+	conn = rl_routes()->route(key, keylen, &may_ask, failure);
 	/* one warning per outage (on_error allow or deny), not one per call */
 	if (conn == NULL)
 	{
@@ -132,7 +147,7 @@ rl_route(const char *key, size_t keylen, RlFailure *failure)
 RlConn *
 rl_route_known(const char *key, size_t keylen)
 {
-	return rl_topology()->known(key, keylen);
+	return rl_routes()->known(key, keylen);
 }
 
 /*
@@ -153,10 +168,8 @@ rl_route_hash_slot(const char *key, size_t keylen)
 int
 rl_route_all(RlConn ***conns, RlFailure *failure)
 {
-	const RlTopology *topology = rl_topology();
-
 	may_ask = true;
-	if (topology->masters == NULL)
+	if (rl_routes()->masters == NULL)
 	{
 		RlConn	   *conn = rl_route("", 0, failure);
 
@@ -167,7 +180,7 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 		return 1;
 	}
 	rl_router_settings();
-	return topology->masters(conns, failure);
+	return rl_routes()->masters(conns, failure);
 }
 
 /*
@@ -177,10 +190,8 @@ rl_route_all(RlConn ***conns, RlFailure *failure)
 static void
 rl_route_failed(RlConn *conn)
 {
-	const RlTopology *topology = rl_topology();
-
-	if (topology->failed != NULL)
-		topology->failed(conn);
+	if (rl_routes()->failed != NULL)
+		rl_routes()->failed(conn);
 }
 
 /* Sleeps ms, or less when an interrupt comes (it is serviced). */
@@ -310,7 +321,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 				return reply;
 			case RL_ACTION_MOVED:
 			case RL_ACTION_ASK:
-				next = topology->redirect(&to, action == RL_ACTION_MOVED);
+				next = rl_routes()->redirect(&to, action == RL_ACTION_MOVED);
 				if (next == NULL)
 					return reply;
 				asking = (action == RL_ACTION_ASK);

@@ -120,7 +120,7 @@ rl_sentinel_discover(RlFailure *failure)
  * rl_redis.sentinel_recheck_interval ago, and *may_ask (which it then
  * clears); NULL with failure filled in when no sentinel named a master.
  */
-RlConn *
+static RlConn *
 rl_sentinel_route(const char *key, size_t keylen, bool *may_ask,
 				  RlFailure *failure)
 {
@@ -147,7 +147,7 @@ rl_sentinel_route(const char *key, size_t keylen, bool *may_ask,
 }
 
 /* The master the sentinels named last (NULL: none); no I/O. */
-RlConn *
+static RlConn *
 rl_sentinel_known(const char *key, size_t keylen)
 {
 	return master_conn;
@@ -158,7 +158,7 @@ rl_sentinel_known(const char *key, size_t keylen)
  * next route asks the sentinels again, and its next connection checks
  * ROLE again.
  */
-void
+static void
 rl_sentinel_failed(RlConn *conn)
 {
 	if (conn != master_conn)
@@ -168,9 +168,17 @@ rl_sentinel_failed(RlConn *conn)
 }
 
 /* Forgets the master (the servers changed). */
-void
+static void
 rl_sentinel_forget(void)
 {
 	master_conn = NULL;
 	master_stale = false;
 }
+
+/* How this topology routes a call (router.c). */
+const RlRoutes rl_sentinel_routes = {
+	.route = rl_sentinel_route,
+	.known = rl_sentinel_known,
+	.failed = rl_sentinel_failed,
+	.forget = rl_sentinel_forget
+};

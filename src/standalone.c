@@ -12,7 +12,7 @@
 #include "rl_redis.h"
 
 /* The connection of the configured server; never NULL. */
-RlConn *
+static RlConn *
 rl_standalone_route(const char *key, size_t keylen, bool *may_ask,
 					RlFailure *failure)
 {
@@ -20,8 +20,14 @@ rl_standalone_route(const char *key, size_t keylen, bool *may_ask,
 }
 
 /* The connection of the configured server; no I/O. */
-RlConn *
+static RlConn *
 rl_standalone_known(const char *key, size_t keylen)
 {
 	return rl_conn_current();
 }
+
+/* How this topology routes a call (router.c). */
+const RlRoutes rl_standalone_routes = {
+	.route = rl_standalone_route,
+	.known = rl_standalone_known
+};

@@ -1,18 +1,18 @@
 /*
  * topology.c
  *	  The three topologies of rl_redis.mode (standalone, cluster, sentinel)
- *	  behind one interface (RlTopology), and what each makes of an error
- *	  reply, in one table.
+ *	  as data (RlTopology), and what each makes of an error reply, in one
+ *	  table.
  *
- * rl_topology is the one reader of rl_redis.mode. A topology says where a
- * key goes, every master, what to do when a connection failed and where a
- * redirection sends a call; those functions are in standalone.c,
- * cluster.c and sentinel.c, and only router.c calls them. The rest of a
- * topology is data that any file may read: whether keys are placed by
- * hash slot, whether the one configured server serves every key (then the
- * shared worker may serve it too), and what an error reply means for a
- * call (rl_reply_action): rl_classify_error (resp.c) names the error,
- * this table says what follows.
+ * rl_topology is the one reader of rl_redis.mode. A topology here is data
+ * that any file may read: whether keys are placed by hash slot, whether
+ * the one configured server serves every key (then the shared worker may
+ * serve it too), and what an error reply means for a call
+ * (rl_reply_action): rl_classify_error (resp.c) names the error, this
+ * table says what follows. Where a key goes, every master, what to do when
+ * a connection failed and where a redirection sends a call are each
+ * topology's RlRoutes, in standalone.c, cluster.c and sentinel.c, listed
+ * below this file in rl_redis.h; only router.c calls them.
  */
 #include "postgres.h"
 
@@ -25,18 +25,12 @@
 const RlTopology rl_topologies[RL_NUM_MODES] = {
 	[RL_MODE_STANDALONE] = {
 		.name = "standalone",
-		.route = rl_standalone_route,
-		.known = rl_standalone_known,
+		.mode = RL_MODE_STANDALONE,
 		.one_server = true
 	},
 	[RL_MODE_CLUSTER] = {
 		.name = "cluster",
-		.route = rl_cluster_route,
-		.known = rl_cluster_known,
-		.masters = rl_cluster_masters,
-		.failed = rl_cluster_failed,
-		.redirect = rl_cluster_redirect,
-		.forget = rl_cluster_forget,
+		.mode = RL_MODE_CLUSTER,
 		.hash_slots = true,
 		.on_error = {
 			[RL_REPLY_MOVED] = RL_ACTION_MOVED,
@@ -48,10 +42,7 @@ const RlTopology rl_topologies[RL_NUM_MODES] = {
 	},
 	[RL_MODE_SENTINEL] = {
 		.name = "sentinel",
-		.route = rl_sentinel_route,
-		.known = rl_sentinel_known,
-		.failed = rl_sentinel_failed,
-		.forget = rl_sentinel_forget,
+		.mode = RL_MODE_SENTINEL,
 		.on_error = {
 			[RL_REPLY_READONLY] = RL_ACTION_FRESH
 		}
