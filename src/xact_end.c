@@ -5,8 +5,9 @@
  *
  *	  1. refund.c: an abort queues what its charges give back (a commit
  *	     queues the forgetting of their records);
- *	  2. concurrency.c: the slots the (sub)transaction held are released
- *	     (queued), and a slot request an error cut short is given back;
+ *	  2. slots.c: the concurrency slots the (sub)transaction held are
+ *	     released (queued), and a slot request an error cut short is
+ *	     given back;
  *	  3. xact_queue.c: the queues are sent within rl_redis.xact_end_budget.
  *
  *	  The order is stated here rather than left to the order in which the
