@@ -2,7 +2,7 @@
 
 With the library preloaded and rl_redis.mode standalone, a session's script
 calls (rl_check, rl_allow, rl_<algorithm>, rl_acquire ...) go through a
-queue in shared memory (rl_redis.shared_queue_size slots) to one background
+queue in shared memory (rl_redis.shared_queue_size entries) to one background
 worker ("postgres: rl_redis worker"), which sends them pipelined on its own
 connection. A session uses its own connection instead when the worker is
 not running, when its connection settings differ from the worker's, when

@@ -168,7 +168,7 @@ rl_remember_charges(RlCharge *charges, int n, RlChargeBy by)
 /* A charge and its place in the caller's array, to sort by hash slot. */
 typedef struct RlHashSlotCharge
 {
-	int			slot;
+	int			hash_slot;
 	int			index;
 } RlHashSlotCharge;
 
@@ -179,8 +179,8 @@ rl_hash_slot_charge_cmp(const void *a, const void *b)
 	const RlHashSlotCharge *x = (const RlHashSlotCharge *) a;
 	const RlHashSlotCharge *y = (const RlHashSlotCharge *) b;
 
-	if (x->slot != y->slot)
-		return (x->slot > y->slot) - (x->slot < y->slot);
+	if (x->hash_slot != y->hash_slot)
+		return (x->hash_slot > y->hash_slot) - (x->hash_slot < y->hash_slot);
 	return (x->index > y->index) - (x->index < y->index);
 }
 
@@ -201,13 +201,13 @@ rl_tighter(const RlDecision *a, const RlDecision *b)
 	return a->reset_ms > b->reset_ms;
 }
 
-/* A several-slots decision of rl_decide_all while its calls are out. */
+/* A decision over several hash slots while its calls are out. */
 typedef struct RlSplit
 {
 	RlCharge   *charges;		/* the caller's */
-	RlHashSlotCharge *order;		/* charges by slot */
+	RlHashSlotCharge *order;	/* charges by hash slot */
 	RlCharge   *group;			/* the charges in that order */
-	RlCall	   *calls;			/* one per slot */
+	RlCall	   *calls;			/* one per hash slot */
 	int		   *first;			/* a call's first charge in group */
 	int		   *size;			/* and how many */
 	int			ncalls;
@@ -217,10 +217,10 @@ typedef struct RlSplit
 } RlSplit;
 
 /*
- * Takes in the replies of a several-slots decision (interrupted: an
- * interrupt ended rl_call_many, and some calls have no reply): fills d,
- * *index and failure as rl_decide_charges says and gives back or remembers the
- * slots' charges. Frees the replies; raises only when out of memory.
+ * Takes in the replies of a decision over several hash slots (interrupted:
+ * an interrupt ended rl_call_many, and some calls have no reply): fills d,
+ * *index and failure as rl_decide_charges says and gives back or remembers
+ * the charges of each hash slot. Frees the replies; raises only when out of memory.
  */
 static bool
 rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
@@ -282,7 +282,7 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
 		if (sp->group[k].failed)
 			sp->charges[sp->order[k].index].failed = true;
 
-	/* a slot denied or failed, or an interrupt: the others' units go back */
+	/* a hash slot denied or failed, or an interrupt: the others' units go back */
 	if (!sp->covered)
 		rl_refund_call_end(sp->callscope, decided, ndecided,
 						   !ok || !found || !d->allowed);
@@ -298,10 +298,10 @@ rl_split_results(RlSplit *sp, bool interrupted, int64 rtt, RlDecision *d,
  * gave no decision.
  *
  * Keys of one hash slot go in one script call, which is atomic. Keys in
- * several slots (a statement guard over many identities, in cluster mode)
- * go in one call per slot, all pipelined (rl_call_many): one round trip per
- * node. When one slot denies or fails, or an interrupt ends the wait, the
- * units the other slots took are given back: by the abort that follows
+ * several hash slots (a statement guard over many identities, in cluster
+ * mode) go in one call per hash slot, all pipelined (rl_call_many): one
+ * round trip per node. When one hash slot denies or fails, or an interrupt
+ * ends the wait, the units the other hash slots took are given back: by the abort that follows
  * (the callers raise on a denial) when refund_on_abort covers them, else at
  * once. Meanwhile another caller may see them taken.
  */
@@ -336,11 +336,12 @@ rl_decide_charges(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 	}
 
 	/*
-	 * Several slots. When refund_on_abort covers the charges, they are made
-	 * under the transaction's scopes as usual, and remembered as each slot
-	 * allows (the abort that follows a denial, or an interrupt, gives them
-	 * back); else under a scope of the call's own, which is given back at
-	 * once when a slot denies or fails, or an interrupt ends the call.
+	 * Several hash slots. When refund_on_abort covers the charges, they are
+	 * made under the transaction's scopes as usual, and remembered as each
+	 * hash slot allows (the abort that follows a denial, or an interrupt,
+	 * gives them back); else under a scope of the call's own, which is
+	 * given back at once when a hash slot denies or fails, or an interrupt
+	 * ends the call.
 	 */
 	sp.charges = charges;
 	sp.by = by;
@@ -350,7 +351,7 @@ rl_decide_charges(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 	sp.order = palloc(sizeof(RlHashSlotCharge) * n);
 	for (j = 0; j < n; j++)
 	{
-		sp.order[j].slot = rl_route_hash_slot(charges[j].key->data, charges[j].key->len);
+		sp.order[j].hash_slot = rl_route_hash_slot(charges[j].key->data, charges[j].key->len);
 		sp.order[j].index = j;
 	}
 	qsort(sp.order, n, sizeof(RlHashSlotCharge), rl_hash_slot_charge_cmp);
@@ -366,17 +367,17 @@ rl_decide_charges(RlCharge *charges, int n, RlChargeBy by, RlDecision *d,
 		sp.first[sp.ncalls] = j;
 		for (sp.size[sp.ncalls] = 1;
 			 j + sp.size[sp.ncalls] < n &&
-			 sp.order[j + sp.size[sp.ncalls]].slot == sp.order[j].slot;
+			 sp.order[j + sp.size[sp.ncalls]].hash_slot == sp.order[j].hash_slot;
 			 sp.size[sp.ncalls]++)
 			;
 		rl_group_call(sp.group + j, sp.size[sp.ncalls], scopes, &sp.calls[sp.ncalls]);
 	}
 
 	/*
-	 * A cancel while the calls are out would leave the slots whose reply
-	 * was not read charged, unknowably: with command_timeout bounding each
-	 * wait, the replies are read first and a cancel (or statement_timeout)
-	 * served after. A terminate is not held back.
+	 * A cancel while the calls are out would leave the charges of the calls
+	 * whose reply was not read taken, unknowably: with command_timeout
+	 * bounding each wait, the replies are read first and a cancel (or
+	 * statement_timeout) served after. A terminate is not held back.
 	 */
 	start = GetCurrentTimestamp();
 	if (hold)
@@ -571,7 +572,7 @@ typedef struct RlBatch
 {
 	const RlLimit *limit;
 	int32		cost;
-	RlBatchKey *keys;			/* by slot in cluster mode, else in order */
+	RlBatchKey *keys;			/* by hash slot in cluster mode, else in order */
 	const char *policy;			/* of every key, NULL for the limit's */
 	/* the keys of the round being sent: keys[round_from + j] is round_key[j] */
 	int			round_from;
@@ -580,7 +581,7 @@ typedef struct RlBatch
 	int		   *round_len;
 	int		   *first;			/* a call's first key in keys */
 	int		   *size;			/* and how many */
-	RlCall	   *calls;			/* one per run of keys of one slot */
+	RlCall	   *calls;			/* one per run of keys of one hash slot */
 	RlFailure  *failures;		/* of each call; sqlerrcode 0: none */
 	int			ncalls;
 	RlDecision *d;				/* the decisions, in the caller's order */
@@ -889,24 +890,24 @@ rl_decide_each(const RlRequest *req, RlDecision *d)
 		b.denied = palloc(sizeof(text *) * Max(n, 1));
 	initStringInfo(&b.round_buf);
 
-	/* the keys are made round by round; in cluster mode sorted by slot */
+	/* the keys are made round by round; in cluster mode sorted by hash slot */
 	for (i = 0; i < n; i++)
 	{
 		b.keys[i].index = i;
-		b.keys[i].slot = 0;
+		b.keys[i].hash_slot = 0;
 		if (rl_topology()->hash_slots)
 		{
 			StringInfo	key = rl_build_key(identities[i], policy, limit);
 
-			b.keys[i].slot = rl_route_hash_slot(key->data, key->len);
+			b.keys[i].hash_slot = rl_route_hash_slot(key->data, key->len);
 		}
 	}
 	if (rl_topology()->hash_slots)
 		qsort(b.keys, n, sizeof(RlBatchKey), rl_hash_slot_charge_cmp);
 
 	/*
-	 * One call per run of keys of one slot, at most RL_BATCH_KEYS keys and
-	 * about RL_BATCH_CALL_BYTES.
+	 * One call per run of keys of one hash slot, at most RL_BATCH_KEYS keys
+	 * and about RL_BATCH_CALL_BYTES.
 	 */
 	b.first = palloc(sizeof(int) * Max(n, 1));
 	b.size = palloc(sizeof(int) * Max(n, 1));
@@ -917,7 +918,7 @@ rl_decide_each(const RlRequest *req, RlDecision *d)
 		b.first[b.ncalls] = i;
 		for (b.size[b.ncalls] = 1;
 			 i + b.size[b.ncalls] < n && b.size[b.ncalls] < RL_BATCH_KEYS &&
-			 b.keys[i + b.size[b.ncalls]].slot == b.keys[i].slot &&
+			 b.keys[i + b.size[b.ncalls]].hash_slot == b.keys[i].hash_slot &&
 			 bytes + rl_batch_key_bytes(&b, i + b.size[b.ncalls]) <= RL_BATCH_CALL_BYTES;
 			 b.size[b.ncalls]++)
 			bytes += rl_batch_key_bytes(&b, i + b.size[b.ncalls]);
@@ -1026,7 +1027,7 @@ rl_check_request(const RlRequest *req)
  * and batch (the SQL functions, policies, several limits, guards). Checks
  * every charge, makes its key (rl_build_key: the one key format, which
  * carries the numbers the state is counted under), sends the algorithms'
- * scripts (one call, several slots' calls, or a batch's pipelined calls),
+ * scripts (one call, a call per hash slot, or a batch's pipelined calls),
  * remembers what was taken for a refund on abort and applies
  * rl_redis.on_error when Redis gives no decision. d: the decision (ONE),
  * the most restrictive one (ALL), or one per identity (EACH). Returns the

@@ -234,7 +234,7 @@ rl_reset(PG_FUNCTION_ARGS)
 
 	/*
 	 * In cluster mode every master is scanned: the keys of the identity
-	 * share a slot, but while it migrates they are on two nodes.
+	 * share a hash slot, but while it migrates they are on two nodes.
 	 */
 	/* the identity's remembered denials go, now and once its keys are gone */
 	rl_deny_cache_forget();

@@ -759,7 +759,7 @@ rl_define_gucs(void)
 	 */
 	DefineCustomIntVariable("rl_redis.shared_queue_size",
 							"The number of calls the shared queue of rl_redis.transport = shared holds at once.",
-							"Each slot takes about 13 kB of shared memory, taken when the shared transport is first used. Only with the library in shared_preload_libraries, read at server start.",
+							"Each queue entry takes about 13 kB of shared memory, taken when the shared transport is first used. Only with the library in shared_preload_libraries, read at server start.",
 							&rl_shared_queue_size,
 							256, 16, 8192,
 							process_shared_preload_libraries_in_progress ? PGC_POSTMASTER : PGC_SIGHUP,

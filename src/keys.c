@@ -42,9 +42,9 @@ static StringInfoData keybuf;
  * capacity, so one key.
  *
  * The braces make every key of one identity hash to the same Redis Cluster
- * slot; inside them '%', '{' and '}' are percent-encoded, so that the hash
- * tag is never empty and never ends early, and two identities never share
- * a key. A policy name holds no '/' (rl_policy's CHECK), so a suffix with a
+ * hash slot; inside them '%', '{' and '}' are percent-encoded, so that the
+ * hash tag is never empty and never ends early, and two identities never
+ * share a key. A policy name holds no '/' (rl_policy's CHECK), so a suffix with a
  * '/' ends in numbers, after its last ':', and one without is a
  * concurrency policy's name. Keys of earlier releases, which rl_reset still
  * deletes: <key_prefix><kind>:{<identity>}:<policy> (rate policies, 1.1 to
@@ -123,7 +123,7 @@ rl_build_key(text *identity, const char *policy, const RlLimit *limit)
  * of minute, <key_prefix>denials:{<policy>}:<minute>, or, for minute
  * RL_DENIALS_TOP, the scratch key that merges them,
  * <key_prefix>denials:{<policy>}:top. The braces hash every key of one
- * policy to one Redis Cluster slot; a policy name holds none.
+ * policy to one Redis Cluster hash slot; a policy name holds none.
  */
 void
 rl_append_denials_key(StringInfo buf, const char *policy, int64 minute)

@@ -431,7 +431,7 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 /* One scope entry and the hash slot of its key, to sort by hash slot. */
 typedef struct RlHashSlotted
 {
-	int			slot;
+	int			hash_slot;
 	RlPending  *p;
 } RlHashSlotted;
 
@@ -443,12 +443,12 @@ rl_refund_weight(const RlPending *p)
 		RL_REFUND_RECORDS_WEIGHT : 1;
 }
 
-/* qsort order of RlHashSlotted: by slot */
+/* qsort order of RlHashSlotted: by hash slot */
 static int
 rl_hash_slotted_cmp(const void *a, const void *b)
 {
-	int			x = ((const RlHashSlotted *) a)->slot;
-	int			y = ((const RlHashSlotted *) b)->slot;
+	int			x = ((const RlHashSlotted *) a)->hash_slot;
+	int			y = ((const RlHashSlotted *) b)->hash_slot;
 
 	return (x > y) - (x < y);
 }
@@ -456,7 +456,7 @@ rl_hash_slotted_cmp(const void *a, const void *b)
 /*
  * Queues the script calls for the n entries of slotted (palloc'd; sorted
  * here) of scope, weighing at most RL_REFUND_BATCH each, so that no one call
- * holds Redis long, and in cluster mode the keys of one slot each (a
+ * holds Redis long, and in cluster mode the keys of one hash slot each (a
  * script's keys must share one), on the connection their charges went to.
  * parents: the ids of the enclosing scopes, joined with ','.
  */
@@ -477,12 +477,12 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 	for (j = 0; j < n; j += batch)
 	{
 		/*
-		 * The run of keys of one slot, weighing at most RL_REFUND_BATCH.
-		 * When the call will be handed to the worker of the shared
-		 * transport (the session has no connection of its own open), at
-		 * most what a slot of its queue holds besides the scope ids: a call
-		 * too large for it would wait for a connection the session may
-		 * never open.
+		 * The run of keys of one hash slot, weighing at most
+		 * RL_REFUND_BATCH. When the call will be handed to the worker of
+		 * the shared transport (the session has no connection of its own
+		 * open), at most what an entry of its queue holds besides the
+		 * scope ids: a call too large for it would wait for a connection
+		 * the session may never open.
 		 */
 		RlConn	   *conn = rl_route_known(list[j]->key.data, list[j]->key.len);
 		bool		cut = rl_transport == RL_TRANSPORT_SHARED &&
@@ -493,7 +493,7 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 		int			weight = rl_refund_weight(list[j]);
 
 		for (batch = 1; j + batch < n &&
-			 slotted[j + batch].slot == slotted[j].slot; batch++)
+			 slotted[j + batch].hash_slot == slotted[j].hash_slot; batch++)
 		{
 			weight += rl_refund_weight(list[j + batch]);
 			bytes += list[j + batch]->key.len + RL_REFUND_KEY_BYTES;
@@ -530,7 +530,7 @@ rl_scope_queue(RlScope *scope, const RlScript *script, bool refund,
 	while ((p = hash_seq_search(&seq)) != NULL)
 		if (rl_scope_wants(p, refund, idempotent))
 		{
-			slotted[n].slot = rl_route_hash_slot(p->key.data, p->key.len);
+			slotted[n].hash_slot = rl_route_hash_slot(p->key.data, p->key.len);
 			slotted[n++].p = p;
 		}
 	initStringInfo(&parents);
@@ -574,8 +574,8 @@ rl_refund_call_scope(char *buf)
 
 /*
  * Queues, for the n charges that a split call made under its own scope id
- * (rl_refund_call_scope), their refund (give_back: a later slot denied, so
- * the call takes nothing) or the removal of their records (the call was
+ * (rl_refund_call_scope), their refund (give_back: another hash slot's
+ * call denied, so the call takes nothing) or the removal of their records (the call was
  * allowed and nothing will give them back).
  */
 void
@@ -612,8 +612,8 @@ rl_refund_call_end(const char *id, RlCharge *charges, int n, bool give_back)
 			if (entries[j].units > 0 &&
 				rl_scope_wants(&entries[j], give_back, pass == 0))
 			{
-				slotted[count].slot = rl_route_hash_slot(entries[j].key.data,
-													entries[j].key.len);
+				slotted[count].hash_slot = rl_route_hash_slot(entries[j].key.data,
+														 entries[j].key.len);
 				slotted[count++].p = &entries[j];
 			}
 		rl_queue_entries(&scope, give_back ? &rl_script_refund : &rl_script_forget,
