@@ -406,10 +406,7 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	Assert(i == argc);
 
 	/* sent as EVAL: it may reach Redis after a restart flushed the scripts */
-	argv[0] = "EVAL";
-	argvlen[0] = 4;
-	argv[1] = script->body;
-	argvlen[1] = strlen(script->body);
+	rl_script_argv(script, true, argv, argvlen);
 	conn = rl_route_known(list[0]->key.data, list[0]->key.len);
 	if (conn != NULL)
 	{

@@ -572,11 +572,13 @@ extern const RlScript *rl_script_by_id(int id);
 extern const RlScript *rl_script_by_text(size_t len, uint64 hash);
 
 /*
- * running a script (scripts.c): argv[0] and argv[1] are left for
- * rl_run_script to fill in
+ * running a script (scripts.c): argv[0] and argv[1] of a script call are
+ * left for rl_script_argv to fill in
  */
 #define RL_SCRIPT_ARGV_RESERVED 2
 
+extern void rl_script_argv(const RlScript *script, bool eval,
+						   const char **argv, size_t *argvlen);
 extern redisReply *rl_run_script(RlConn *conn, const RlScript *script,
 								 int argc, const char **argv, size_t *argvlen,
 								 RlFailure *failure);

@@ -409,24 +409,15 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 		{
 			RlCall	   *call = &calls[i];
 			uint32		bit = (uint32) 1 << call->script->id;
+			bool		eval;
 
 			if (group[i] != c)
 				continue;
-			if (!(evaled & bit) && !rl_conn_script_known(conns[c], call->script->id))
-			{
-				call->argv[0] = "EVAL";
-				call->argvlen[0] = 4;
-				call->argv[1] = call->script->body;
-				call->argvlen[1] = strlen(call->script->body);
+			eval = !(evaled & bit) &&
+				!rl_conn_script_known(conns[c], call->script->id);
+			rl_script_argv(call->script, eval, call->argv, call->argvlen);
+			if (eval)
 				evaled |= bit;
-			}
-			else
-			{
-				call->argv[0] = "EVALSHA";
-				call->argvlen[0] = 7;
-				call->argv[1] = call->script->sha;
-				call->argvlen[1] = 40;
-			}
 			cmds[k].argc = call->argc;
 			cmds[k].argv = call->argv;
 			cmds[k].argvlen = call->argvlen;

@@ -16,6 +16,22 @@
 StaticAssertDecl(RL_NUM_SCRIPTS <= 32, "a connection keeps its loaded scripts in 32 bits");
 
 /*
+ * Fills the head of a call of script, argv[0] and argv[1], before the
+ * numkeys, keys and arguments the caller put in argv[2..]: EVAL and the
+ * script's text when eval (which also loads the script on the server),
+ * else EVALSHA and its SHA1. Every script call is headed here.
+ */
+void
+rl_script_argv(const RlScript *script, bool eval, const char **argv,
+			   size_t *argvlen)
+{
+	argv[0] = eval ? "EVAL" : "EVALSHA";
+	argvlen[0] = strlen(argv[0]);
+	argv[1] = eval ? script->body : script->sha;
+	argvlen[1] = strlen(argv[1]);
+}
+
+/*
  * Sends the call in argv as EVAL with script's text, which also loads the
  * script on conn's server. Returns as rl_run_script.
  */
@@ -25,10 +41,7 @@ rl_eval(RlConn *conn, const RlScript *script, int argc, const char **argv,
 {
 	redisReply *reply;
 
-	argv[0] = "EVAL";
-	argvlen[0] = 4;
-	argv[1] = script->body;
-	argvlen[1] = strlen(script->body);
+	rl_script_argv(script, true, argv, argvlen);
 	reply = rl_command(conn, argc, argv, argvlen, failure);
 	if (reply != NULL)
 		rl_conn_script_loaded(conn, script->id);
@@ -47,10 +60,7 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 {
 	redisReply *reply;
 
-	argv[0] = "EVALSHA";
-	argvlen[0] = 7;
-	argv[1] = script->sha;
-	argvlen[1] = 40;
+	rl_script_argv(script, false, argv, argvlen);
 	reply = rl_command(conn, argc, argv, argvlen, failure);
 	if (reply == NULL || reply->type != REDIS_REPLY_ERROR ||
 		rl_classify_error(reply->str, rl_conn_host(conn), NULL) != RL_REPLY_NOSCRIPT)
