@@ -328,10 +328,11 @@ rl_command_share(RlConn *conn, int argc, const char **argv,
 bool
 rl_asking(RlConn *conn, redisReply **reply, RlFailure *failure)
 {
-	const char *argv[1] = {"ASKING"};
-	size_t		argvlen[1] = {6};
+	const char *argv[1];
+	size_t		argvlen[1];
+	int			argc = rl_asking_argv(argv, argvlen);
 
-	*reply = rl_command(conn, 1, argv, argvlen, failure);
+	*reply = rl_command(conn, argc, argv, argvlen, failure);
 	if (*reply == NULL || (*reply)->type == REDIS_REPLY_ERROR)
 		return false;
 	freeReplyObject(*reply);

@@ -1,8 +1,8 @@
 /*
  * resp.c
  *	  The Redis protocol (RESP) as the connections write it: a command
- *	  encoded, and an encoded EVAL taken apart again; a reply's number; and
- *	  what an error reply means, from one table.
+ *	  encoded, the ASKING command, and an encoded EVAL taken apart again; a
+ *	  reply's number; and what an error reply means, from one table.
  *
  * We use hiredis only to parse replies (redisReader); the commands are
  * encoded here. Nothing here knows a connection.
@@ -33,6 +33,20 @@ rl_encode(StringInfo buf, int argc, const char **argv, const size_t *argvlen)
 		appendBinaryStringInfo(buf, argv[i], argvlen[i]);
 		appendBinaryStringInfo(buf, "\r\n", 2);
 	}
+}
+
+/*
+ * Fills argv and argvlen (one element) with ASKING, which lets the next
+ * command on a connection touch a key that Redis Cluster is moving there
+ * (an ASK redirection): sent at once by rl_asking, queued ahead of a
+ * redirected command by rl_queue_redirect. Returns argc, 1.
+ */
+int
+rl_asking_argv(const char **argv, size_t *argvlen)
+{
+	argv[0] = "ASKING";
+	argvlen[0] = strlen(argv[0]);
+	return 1;
 }
 
 /*

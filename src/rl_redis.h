@@ -26,9 +26,10 @@
  * The transport: the connections to Redis. RlConn is opaque outside these
  * files; all but shared_queue.c (which needs no more) include
  * src/conn_internal.h, where struct RlConn is:
- * src/resp.c         the Redis protocol: a command encoded (RESP), and what
- *                    an error reply means (rl_classify_error, one table;
- *                    the target of MOVED and ASK); a reply's number
+ * src/resp.c         the Redis protocol: a command encoded (RESP), the
+ *                    ASKING command, and what an error reply means
+ *                    (rl_classify_error, one table; the target of MOVED and
+ *                    ASK); a reply's number
  * src/topology.c     the three topologies of rl_redis.mode as data any
  *                    file may read (RlTopology) and the one reader of the
  *                    mode (rl_topology); what each does with an error reply

@@ -112,10 +112,11 @@ rl_queue_redirect(RlConn *conn, int k, const char *error)
 	}
 	if (action == RL_ACTION_ASK)
 	{
-		const char *argv[1] = {"ASKING"};
-		size_t		argvlen[1] = {6};
+		const char *argv[1];
+		size_t		argvlen[1];
+		int			argc = rl_asking_argv(argv, argvlen);
 
-		rl_queue_push(target, 1, argv, argvlen, NULL, 0, true, 0);
+		rl_queue_push(target, argc, argv, argvlen, NULL, 0, true, 0);
 	}
 	/* a copy: pushing trims conn's queue when target is conn */
 	len = conn->queue_ends[k] - from;
