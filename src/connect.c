@@ -173,10 +173,7 @@ rl_handshake(RlConn *conn, const char *what, int argc, const char **argv,
 	rl_encode(&rl_out, argc, argv, argvlen);
 	reply = rl_roundtrip(conn, deadline, failure);
 	if (reply == NULL)
-	{
-		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 		return false;
-	}
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
 		char		text[256];
@@ -219,10 +216,7 @@ rl_check_master(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	rl_encode(&rl_out, 1, argv, argvlen);
 	reply = rl_roundtrip(conn, deadline, failure);
 	if (reply == NULL)
-	{
-		failure->sqlerrcode = ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION;
 		return false;
-	}
 	if (reply->type == REDIS_REPLY_ARRAY && reply->elements > 0 &&
 		(reply->element[0]->type == REDIS_REPLY_STRING ||
 		 reply->element[0]->type == REDIS_REPLY_STATUS))

@@ -52,6 +52,18 @@ rl_vfail(RlFailure *failure, RlFailureKind kind, int sqlerrcode, RlHint hint,
 }
 
 /*
+ * Gives failure the SQLSTATE sqlerrcode, keeping what it says: a failed
+ * step that its caller reports as its own kind of failure (a set-up
+ * command's is a connection that could not be established). Does no I/O
+ * and never raises.
+ */
+void
+rl_fail_as(RlFailure *failure, int sqlerrcode)
+{
+	failure->sqlerrcode = sqlerrcode;
+}
+
+/*
  * Appends the text s to buf valid in the server encoding: what Redis,
  * OpenSSL or a lying server said is bytes, so a byte that begins no valid
  * character is shown as \xNN, and a character cut short at the end (a text

@@ -160,7 +160,8 @@ rl_wait_or_time_out(RlConn *conn, uint32 want, TimestampTz deadline,
 	if (rl_wait(conn, want, deadline))
 		return true;
 	if (patient)
-		failure->sqlerrcode = 0;
+		rl_fail(failure, RL_FAILURE_TIMEOUT, 0, RL_HINT_NONE, NULL, message,
+				conn->address);
 	else
 		rl_conn_fail(conn, failure, RL_FAILURE_TIMEOUT,
 					 ERRCODE_CONNECTION_FAILURE, RL_HINT_COMMAND_TIMEOUT,
@@ -282,7 +283,8 @@ rl_recv(RlConn *conn, TimestampTz deadline, bool patient, RlFailure *failure)
 
 /*
  * Sends the command in rl_out and reads its reply; the connection must be
- * open. For the set-up's commands (AUTH, SELECT, ROLE).
+ * open. For the set-up's commands (AUTH, SELECT, ROLE): NULL with failure
+ * filled in as one to establish the connection (08001).
  */
 redisReply *
 rl_roundtrip(RlConn *conn, TimestampTz deadline, RlFailure *failure)
@@ -292,10 +294,15 @@ rl_roundtrip(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 
 	conn->ready = false;			/* a reply may be in flight from here on */
 	if (!rl_write(conn, rl_out.data, rl_out.len, &done, deadline, false, failure))
+		reply = NULL;
+	else
+		reply = rl_recv(conn, deadline, false, failure);
+	if (reply == NULL)
+	{
+		rl_fail_as(failure, ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION);
 		return NULL;
-	reply = rl_recv(conn, deadline, false, failure);
-	if (reply != NULL)
-		conn->ready = true;
+	}
+	conn->ready = true;
 	return reply;
 }
 

@@ -276,7 +276,8 @@ typedef enum RlFailureKind
 
 /*
  * Why a Redis call failed, for the caller to raise as an error or to log as
- * a warning under rl_redis.on_error (rl_report): filled in by rl_fail only.
+ * a warning under rl_redis.on_error (rl_report): filled in by rl_fail only
+ * (rl_fail_as changes its SQLSTATE).
  * message is the primary message (ours), detail what Redis, the system or
  * OpenSSL said (or ""). Neither holds a secret or a file's path. The
  * connection has already been discarded when one of these is filled in.
@@ -300,6 +301,7 @@ extern void rl_fail(RlFailure *failure, RlFailureKind kind, int sqlerrcode,
 extern void rl_vfail(RlFailure *failure, RlFailureKind kind, int sqlerrcode,
 					 RlHint hint, const char *detail, const char *fmt,
 					 va_list ap) pg_attribute_printf(6, 0);
+extern void rl_fail_as(RlFailure *failure, int sqlerrcode);
 extern const char *rl_failure_text(const RlFailure *failure, char *buf,
 								   size_t size);
 

@@ -54,7 +54,9 @@ rl_send_queue(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 		return true;
 	if (conn->kind == RL_CONN_SERVER && !rl_shared_settled(deadline))
 	{
-		failure->sqlerrcode = 0;
+		rl_fail(failure, RL_FAILURE_WORKER, 0, RL_HINT_NONE, NULL,
+				"the rl_redis worker still has a call of this session for Redis at %s",
+				conn->address);
 		return false;
 	}
 	conn->queue_write_from = rl_queue_offset(conn, conn->pending_replies) +
