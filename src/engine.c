@@ -694,7 +694,7 @@ rl_batch_results(RlBatch *b, int from, int n, int64 rtt, bool interrupted)
 	for (c = from; c < from + n; c++)
 	{
 		RlCall	   *call = &b->calls[c];
-		RlFailure	failure = call->failure;
+		RlFailure	failure = {0};
 		bool		ok;
 
 		if (call->argv != NULL)
@@ -706,8 +706,9 @@ rl_batch_results(RlBatch *b, int from, int n, int64 rtt, bool interrupted)
 		}
 		if (interrupted && call->reply == NULL)
 			continue;
-		if (call->reply != NULL)
-			failure.sqlerrcode = 0;
+		/* the call's failure, if it got no reply */
+		if (call->reply == NULL)
+			failure = call->failure;
 		ok = call->reply != NULL &&
 			rl_parse_batch(call->conn, call->reply, b->keys + b->first[c],
 						   b->round_key + (b->first[c] - b->round_from),
