@@ -945,8 +945,8 @@ extern void rl_refund_call_end(const char *id, RlCharge *charges, int n,
 							   bool give_back);
 
 /* the concurrency slots a backend holds (slots.c) */
-extern void rl_concurrency_xact_end(XactEvent event);
-extern void rl_concurrency_subxact_end(SubXactEvent event);
+extern void rl_slots_xact_end(XactEvent event);
+extern void rl_slots_subxact_end(SubXactEvent event);
 extern void rl_take_slot(const RlCharge *c, RlDecision *d);
 extern bool rl_release_slot(const char *policy, text *identity);
 

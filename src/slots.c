@@ -158,7 +158,7 @@ rl_release_asking(void)
 
 /* Gives back every slot of a transaction that ends (src/xact_end.c). */
 void
-rl_concurrency_xact_end(XactEvent event)
+rl_slots_xact_end(XactEvent event)
 {
 	if (event == XACT_EVENT_COMMIT || event == XACT_EVENT_ABORT ||
 		event == XACT_EVENT_PARALLEL_COMMIT ||
@@ -174,7 +174,7 @@ rl_concurrency_xact_end(XactEvent event)
  * one now belong to its parent (src/xact_end.c).
  */
 void
-rl_concurrency_subxact_end(SubXactEvent event)
+rl_slots_subxact_end(SubXactEvent event)
 {
 	int			level = GetCurrentTransactionNestLevel();
 	ListCell   *lc;

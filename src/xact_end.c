@@ -26,7 +26,7 @@ static void
 rl_xact_end_callback(XactEvent event, void *arg)
 {
 	rl_refund_xact_end(event);
-	rl_concurrency_xact_end(event);
+	rl_slots_xact_end(event);
 	rl_transport_xact_end(event);
 }
 
@@ -36,7 +36,7 @@ rl_subxact_end_callback(SubXactEvent event, SubTransactionId mySubid,
 						SubTransactionId parentSubid, void *arg)
 {
 	rl_refund_subxact_end(event);
-	rl_concurrency_subxact_end(event);
+	rl_slots_subxact_end(event);
 	rl_transport_subxact_end(event);
 }
 
