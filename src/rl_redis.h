@@ -899,6 +899,10 @@ extern redisReply *rl_reply_or_raise(RlConn *conn, redisReply *reply,
 									 RlFailure *failure);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
 
+/* the SQL functions of explicit limits and administration (functions.c) */
+extern redisReply *rl_scan_step(RlConn *conn, StringInfo pattern,
+								char *cursor, size_t cursorsize);
+
 /* named policies (policy.c) */
 typedef struct RlPolicy
 {
