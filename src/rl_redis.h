@@ -821,6 +821,9 @@ extern void rl_append_denials_key(StringInfo buf, const char *policy,
 extern void rl_identity_keys(text *identity, StringInfo pattern,
 							 StringInfo tag);
 extern bool rl_key_of(const char *key, size_t len, StringInfo tag);
+extern void rl_slot_keys_pattern(const char *policy, StringInfo pattern);
+extern text *rl_slot_key_identity(const char *key, size_t len,
+								  const char *policy, const RlLimit *limit);
 extern StringInfo rl_copy_key(StringInfo key);
 extern void rl_check_not_null(FunctionCallInfo fcinfo, int argno,
 							  const char *name);
