@@ -373,10 +373,10 @@ RETURNS @extschema@.rl_result
 AS 'MODULE_PATHNAME', 'rl_inspect'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
--- who holds an identity's slots of a concurrency policy: backends' pids,
--- so for administrators
-CREATE FUNCTION @extschema@.rl_concurrency_holders(policy text, identity text)
-RETURNS TABLE (holder text, backend_pid integer, lease_ends timestamptz)
+-- who holds the slots of a concurrency policy (one identity's, or with
+-- identity NULL every identity's): backends' pids, so for administrators
+CREATE FUNCTION @extschema@.rl_concurrency_holders(policy text, identity text DEFAULT NULL)
+RETURNS TABLE (identity text, holder text, backend_pid integer, lease_ends timestamptz)
 AS 'MODULE_PATHNAME', 'rl_concurrency_holders'
 LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 REVOKE ALL ON FUNCTION @extschema@.rl_concurrency_holders(text, text) FROM PUBLIC;
@@ -633,7 +633,7 @@ COMMENT ON FUNCTION @extschema@.rl_concurrency_release(text) IS
 COMMENT ON FUNCTION @extschema@.rl_inspect(text, text, integer) IS
     'Says what a call of cost would get now under a policy (slots held, for a concurrency policy), charging nothing and writing nothing in Redis; counted as a peek; for every role.';
 COMMENT ON FUNCTION @extschema@.rl_concurrency_holders(text, text) IS
-    'Lists the holders of an identity''s slots of a concurrency policy now: token, backend pid and lease end; for the roles granted EXECUTE.';
+    'Lists the holders of a concurrency policy''s slots now, of one identity or (identity NULL) of every identity: identity, token, backend pid and lease end; for the roles granted EXECUTE.';
 COMMENT ON FUNCTION @extschema@.rl_guard_check() IS
     'Lists every guard of the database with what is wrong with it (its kind, a missing policy or column, a malformed limit); no rows when all are fine; for every role.';
 COMMENT ON FUNCTION @extschema@.rl_guard_created() IS

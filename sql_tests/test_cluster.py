@@ -574,6 +574,23 @@ def test_many_sessions_one_identity(sessions, redis_cluster):
     assert other.command("ZCARD", rl_key("sliding", identity, lim=lim, window_ms=LONG_WINDOW_MS)) == lim
 
 
+def test_concurrency_holders_of_every_identity_on_every_master(sessions, policies, redis_cluster):
+    """rl_concurrency_holders(policy) finds the slots of identities on each
+    of the three masters (a SCAN of each), every identity once."""
+    policy = policies("concurrency", 2, 60000)
+    idents, where = spread(redis_cluster, "holders", 2)
+    held = {}
+    for i in idents:
+        conn = sessions(redis_cluster, test_clock_ms=TEST_CLOCK_MS)
+        conn.execute("BEGIN")
+        assert conn.execute("SELECT rl_acquire_allow(%s, %s)", (policy, i)).fetchone()[0] is True
+        held[i] = conn.info.backend_pid
+    conn = sessions(redis_cluster, test_clock_ms=TEST_CLOCK_MS)
+    rows = conn.execute("SELECT identity, backend_pid FROM rl_concurrency_holders(%s)", (policy,)).fetchall()
+    assert sorted(rows) == sorted(held.items()), rows
+    assert len(set(where.values())) == 3
+
+
 def test_rl_reset_deletes_on_the_identity_node(sessions, policies, redis_cluster):
     conn = sessions(redis_cluster, test_clock_ms=TEST_CLOCK_MS)
     policy = policies("token_bucket", 5, 60000)

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import new_ident, pg_connect, set_gucs
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
 
 # a frozen clock: every call falls in one minute
 CLOCK_MS = 1767225600000
@@ -221,27 +222,62 @@ def test_privileges(pg, policy):
         pg.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
-def test_readme_uninstall_loop_deletes_the_denial_counts(policy, redis_factory):
+def key_kinds_of_the_sources():
+    """The kinds of key rl_redis names, as its sources list them: each
+    algorithm's key kind and its name (the kind of its earlier layouts,
+    src/algorithms.h), the concurrency slots' and the denial counts'
+    (src/keys.c)."""
+    with open(os.path.join(ROOT, "src", "algorithms.h")) as f:
+        algorithms = re.findall(r'^RL_ALGORITHM\((\w+), \w+, "([\w.]+)"', f.read(), re.M)
+    with open(os.path.join(ROOT, "src", "keys.c")) as f:
+        keys_c = f.read()
+    kinds = {k for a in algorithms for k in a}
+    kinds |= set(re.findall(r'"%s([\w.]+):\{', keys_c))  # appendStringInfo(buf, "%sdenials:{...", prefix)
+    kinds |= {k for k in re.findall(r'"([\w.]+)", identity\)', keys_c)}  # rl_append_key_head(..., "concurrency", ...)
+    assert "concurrency" in kinds and "denials" in kinds, kinds
+    return [name for name, _ in algorithms], kinds
+
+
+def test_readme_uninstall_loop_deletes_every_kind_of_key(pg, policy, redis_factory):
     """README, Uninstalling: the loop that deletes rl_redis's keys under a
-    prefix deletes every key rl_redis wrote there, the denial counts
-    (<prefix>denials:{<policy>}:<minute>) included (before the fix they
-    were left behind, to expire after a day). Run on a prefix of its own,
-    on a Redis of its own: the loop SCANs the whole keyspace, which on the
+    prefix names every kind of key rl_redis makes (the sources' list, so
+    that a new kind cannot be left out), and deletes a key of each: every
+    algorithm's (explicit and policy keys), the layouts of 1.5 and before
+    (written here by hand: this release writes only the new ones), the
+    concurrency slots and the denial counts. Run on a prefix of its own, on
+    a Redis of its own: the loop SCANs the whole keyspace, which on the
     shared Redis holds what the other tests wrote (it took 20-30 s there)."""
+    algorithms, kinds = key_kinds_of_the_sources()
+    with open(README) as f:
+        loop = re.search(r"^for kind in .*?^done$", f.read(), re.M | re.S).group(0)
+    listed = re.match(r"for kind in ([^;]*);", loop).group(1).split()
+    assert sorted(listed) == sorted(kinds), (listed, kinds)
+
     redis = redis_factory()
     prefix = "rl_dn_%s:" % uuid.uuid4().hex[:12]
+    slots = "pytest.dn.slots.%s" % uuid.uuid4().hex[:12]
+    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, 'concurrency', 2, 60000)",
+               (slots,))
     conn = session(track_denials="on", key_prefix=prefix, host="127.0.0.1", port=redis.port)
     identity = new_ident("uninstall")
     try:
+        conn.execute("BEGIN")  # the concurrency slot is held until the transaction ends
+        for name in algorithms:
+            assert conn.execute(sql.SQL("SELECT {}(%s, 5, 60000)").format(sql.Identifier("rl_%s_allow" % name)),
+                                (identity,)).fetchone()[0]
         assert [conn.execute("SELECT rl_allow(%s, %s)", (policy, identity)).fetchone()[0]
                 for _ in range(3)] == [True, True, False]
-        assert top(conn, policy) == [(identity, 1)]
+        assert conn.execute("SELECT rl_acquire_allow(%s, %s)", (slots, identity)).fetchone()[0]
+        for name in algorithms:  # 1.5's keys
+            redis.command("SET", "%s%s:{%s}:5/60000" % (prefix, name, identity), "1")
+        written = redis.command("KEYS", prefix + "*")
+        assert {re.match(re.escape(prefix) + r"([\w.]+):\{", k).group(1) for k in written} == kinds, written
+        subprocess.run(["bash", "-e", "-o", "pipefail", "-c",
+                        loop.replace('"rl:', '"' + prefix).replace("redis-cli", "redis-cli -p %d" % redis.port)],
+                       check=True, timeout=30)
+        assert redis.command("KEYS", prefix + "*") == []
+        conn.execute("COMMIT")
     finally:
         conn.close()
-    written = set(redis.command("KEYS", prefix + "*"))
-    assert bucket(policy, prefix=prefix) in written and len(written) == 2
-    with open(README) as f:
-        loop = re.search(r"^for kind in .*?^done$", f.read(), re.M | re.S).group(0)
-    loop = loop.replace('"rl:', '"' + prefix).replace("redis-cli", "redis-cli -p %d" % redis.port)
-    subprocess.run(["bash", "-e", "-o", "pipefail", "-c", loop], check=True, timeout=30)
+        pg.execute("DELETE FROM rl_policy WHERE name = %s", (slots,))
     assert redis.command("KEYS", prefix + "*") == []

@@ -754,11 +754,11 @@ def policies():
     """Creates rl_policy rows with unique names; deletes them afterwards."""
     names = []
 
-    def make(algorithm, lim, window_ms, burst=None):
+    def make(algorithm, lim, window_ms, burst=None, mode="enforce"):
         name = "http_test_%s" % uuid.uuid4().hex[:12]
         with pg_connect() as conn:
-            conn.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst) VALUES (%s, %s, %s, %s, %s)",
-                         (name, algorithm, lim, window_ms, burst))
+            conn.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms, burst, mode)"
+                         " VALUES (%s, %s, %s, %s, %s, %s)", (name, algorithm, lim, window_ms, burst, mode))
         names.append(name)
         return name
 
@@ -780,6 +780,35 @@ def test_policy(service, policies, shared_redis):
     bucket = policies("token_bucket", 10, 60000, 20)
     resp = service.post(POLICY, {"identity": identity, "policy": bucket, "cost": 15})
     assert resp.status == 200 and resp.json["limit"] == 20 and resp.json["remaining"] == 5, resp
+
+
+def test_shadow_policy_would_be_denial_is_200_with_enforcing_headers(service, policies, shared_redis):
+    # a shadow policy allows every call; its would-be denial answers 200
+    # with the numbers and the headers (Retry-After included) that enforcing
+    # gives with 429, and takes nothing
+    policy = policies("fixed", 2, 60000, mode="shadow")
+
+    def run():
+        identity = new_ident("http-shadow")
+        got = [service.post(POLICY, {"identity": identity, "policy": policy}) for _ in range(3)]
+        with pg_connect() as conn:
+            conn.execute("UPDATE rl_policy SET mode = 'enforce' WHERE name = %s", (policy,))
+        got.append(service.post(POLICY, {"identity": identity, "policy": policy}))
+        return identity, got
+
+    identity, (first, second, shadow, enforced) = same_fixed_window(shared_redis, 60000, run)
+    check_allowed(first, 2, 1, 60, name=policy)
+    check_allowed(second, 2, 0, 60, name=policy)
+    retry = check_denied(enforced, 2, 60, name=policy)
+    assert shadow.status == 200, shadow
+    assert shadow.json == {"allow": True, "reason": "allowed", "retryAfterSeconds": shadow.json["retryAfterSeconds"],
+                           "limit": 2, "remaining": 0}, shadow
+    assert abs(shadow.json["retryAfterSeconds"] - retry) <= 1, (shadow, enforced)
+    assert shadow.headers["Retry-After"] == str(shadow.json["retryAfterSeconds"]), shadow
+    assert len(shadow.headers.get_all("Retry-After")) == 1, shadow
+    check_rate_headers(shadow, 2, 0, 60, name=policy)
+    assert sorted(shadow.headers.keys()) == sorted(enforced.headers.keys()), (shadow, enforced)
+    assert fixed_units(shared_redis.command("GET", rl_key("fixed", identity, policy=policy, lim=2, window_ms=60000))) == "2"
 
 
 def test_policy_errors_are_400(service, policies):

@@ -8,7 +8,8 @@ the real call made right after, on the test clock (so both decide at the
 same instant), and the key's value (DUMP) and absolute expiry (PEXPIRETIME)
 before and after the inspections. Inspections and calls of cost 0 are
 counted as peeks, not as calls. rl_concurrency_holders lists the tokens of
-the slots held now, the pid in each and when its lease ends.
+the slots held now (of one identity, or of every identity of the policy),
+the pid in each and when its lease ends.
 """
 
 import datetime
@@ -200,6 +201,49 @@ def test_holders_without_a_pid_and_on_the_redis_clock(pg, policies, shared_redis
                       (policy, identity)).fetchall() == [("someone", None, lease_end(now_ms))]
 
 
+def test_holders_of_every_identity(pg, policies, shared_redis):
+    """rl_concurrency_holders(policy) (identity NULL) lists the holders of
+    every identity of the policy, each identity's once with its name
+    (glob and key characters decoded), and nothing of another policy, of a
+    rate policy, of a lease that ended or of a key the policy's pattern
+    matches that rl_redis does not make."""
+    policy, other = policies("concurrency", 2, LEASE_MS), policies("concurrency", 2, LEASE_MS)
+    rate = policies("fixed")
+    base = new_ident("holders")
+    a, b, ended = base + ":a*?[%{}\\", base + ":b", base + ":ended"
+    conns = []
+    try:
+        for identity, clock_ms, name in [(a, BASE_CLOCK_MS, policy), (a, BASE_CLOCK_MS + 1000, policy),
+                                         (b, BASE_CLOCK_MS, policy), (b, BASE_CLOCK_MS, other),
+                                         (ended, BASE_CLOCK_MS - LEASE_MS, policy)]:
+            conn = pg_connect()
+            conns.append(conn)
+            set_gucs(conn, test_clock_ms=clock_ms)
+            conn.execute("BEGIN")
+            assert conn.execute("SELECT rl_acquire_allow(%s, %s)", (name, identity)).fetchone()[0]
+        result(pg, "rl_check", rate, a, 1)
+        # matched by the policy's pattern, but no key of an identity ('%' alone)
+        stray = "rl:concurrency:{%s%%zz}:%s" % (base, policy)
+        shared_redis.command("ZADD", stray, str((BASE_CLOCK_MS + LEASE_MS) * 1000), "1:x")
+        shared_redis.command("PEXPIRE", stray, str(LEASE_MS))
+        set_gucs(pg, test_clock_ms=BASE_CLOCK_MS + 500)
+        rows = pg.execute("SELECT identity, backend_pid, lease_ends FROM rl_concurrency_holders(%s)",
+                          (policy,)).fetchall()
+        pids = [c.info.backend_pid for c in conns]
+        assert sorted(rows) == sorted([(a, pids[0], lease_end(BASE_CLOCK_MS)),
+                                       (a, pids[1], lease_end(BASE_CLOCK_MS + 1000)),
+                                       (b, pids[2], lease_end(BASE_CLOCK_MS))]), rows
+        # one identity after another, each as rl_concurrency_holders(policy, identity) gives it
+        one_by_one = [(i,) + r for i in dict.fromkeys(r[0] for r in rows)
+                      for r in pg.execute("SELECT holder, backend_pid, lease_ends FROM "
+                                          "rl_concurrency_holders(%s, %s)", (policy, i)).fetchall()]
+        assert pg.execute("SELECT * FROM rl_concurrency_holders(%s, NULL)", (policy,)).fetchall() == one_by_one
+        assert [r[0] for r in pg.execute("SELECT identity FROM rl_concurrency_holders(%s)", (other,))] == [b]
+    finally:
+        for conn in conns:
+            conn.close()
+
+
 def test_stats_count_peeks_apart(pg, policies, holders):
     policy = policies("fixed")
     cc_policy, identity, hold = holders
@@ -250,6 +294,8 @@ def test_holders_arguments(pg, policies):
     policy = policies("fixed")
     assert sqlstate_of(pg, "SELECT * FROM rl_concurrency_holders(%s, 'x')", (policy,)) == "22023"
     assert sqlstate_of(pg, "SELECT * FROM rl_concurrency_holders('no_such_policy', 'x')") == "42704"
+    assert sqlstate_of(pg, "SELECT * FROM rl_concurrency_holders('no_such_policy')") == "42704"
+    assert sqlstate_of(pg, "SELECT * FROM rl_concurrency_holders(NULL)") == "22004"
 
 
 def test_stats_serve_the_1_5_declaration_until_the_update(pg, policies):

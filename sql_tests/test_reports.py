@@ -3,15 +3,16 @@ error: the SQLSTATE, a primary message of ours, as DETAIL what Redis or the
 system said, a HINT with the settings to look at, and as CONTEXT the call
 that failed (which decision, on which key). Each kind of failure is checked
 exactly: a closed port, a Redis that wants a password (NOAUTH on a small
-command, the unauthenticated multibulk length of a decision's EVALSHA, a
-wrong password), an error reply (WRONGTYPE), a hung Redis (command timeout)
-and a TLS handshake that never ends (connect timeout); as an error and as
-rl_redis.on_error = allow's warning, through rl_redis.transport = backend and
-shared; and an ordinary role never sees the password or the password
-file's path in any part of it. What Redis says that is not text in the
-server encoding (a lying Redis's bytes, a long reply cut mid-character)
-reaches a client of another encoding as the report, also at a transaction
-end.
+command or on the set-up's SELECT, the unauthenticated multibulk length of
+a decision's EVALSHA, a wrong password), an error reply (WRONGTYPE), a hung
+Redis (command timeout) and a TLS handshake that never ends (connect
+timeout); as an error and as rl_redis.on_error = allow's warning, through
+rl_redis.transport = backend and shared (the worker's refused connection
+and missing password too); and an ordinary role never sees the password or
+the password file's path in any part of it. What Redis says that is not
+text in the server encoding (a lying Redis's bytes, a long reply cut
+mid-character) reaches a client of another encoding as the report, also at
+a transaction end.
 """
 
 import os
@@ -21,7 +22,7 @@ from psycopg import sql
 import pytest
 
 from conftest import (BlackHole, PgServer, free_port, give_to_owner, new_ident, own_connection_open,
-                      pg_connect, rl_key, set_gucs, use_redis)
+                      pg_connect, rl_key, set_gucs, use_redis, wait_for)
 from test_lying_redis import LyingRedis
 
 HINT_SERVER = ("Check rl_redis.host and rl_redis.port (rl_redis.nodes in cluster and sentinel mode); "
@@ -116,6 +117,19 @@ def test_password_wanted(pg, redis_factory):
     assert "wrong-" + identity not in repr(got) and "report-secret" not in repr(got)
 
 
+def test_password_wanted_by_the_set_up(pg, redis_factory):
+    """A Redis that wants a password, none set and rl_redis.database 1: the
+    set-up's SELECT gets NOAUTH, reported as an authentication failure with
+    the hint that names the password settings (not as a failed SELECT
+    without a hint)."""
+    r = redis_factory(password="setup-secret")
+    use_redis(pg, r, on_error="error", database=1)
+    identity = new_ident("noauthselect")
+    assert error_report(pg, FIXED, (identity,)) == (
+        "08001", "could not authenticate to Redis at 127.0.0.1:%d" % r.port, NOAUTH, HINT_PASSWORD,
+        fixed_context(identity))
+
+
 def assert_wrongtype_reported(conn, redis):
     """WRONGTYPE (a list where the fixed window's key is) on conn (on_error =
     error), whose Redis is redis: 08000, Redis's text as the detail, no
@@ -192,6 +206,35 @@ def test_shared_transport(shared_server):
         assert not own_connection_open(conn)
     finally:
         conn.close()
+
+
+def test_shared_transport_password_wanted_and_refused(redis_factory):
+    """Through the rl_redis worker of a server whose configuration gives no
+    password to a Redis that wants one: 08001 with Redis's text and the
+    hint that names the password settings; that Redis gone, a refused
+    connection with the hint that names host and port, as through the
+    session's own connection (test_password_wanted, test_connection_refused)."""
+    redis = redis_factory(password="worker-secret")
+    server = PgServer(redis, transport="shared")
+    conn = None
+    try:
+        wait_for(server.worker_pids, 10, "the rl_redis worker")
+        conn = server.connect(transport="shared", on_error="error")
+        identity = new_ident("sharedauth")
+        assert error_report(conn, FIXED, (identity,)) == (
+            "08001", "could not authenticate to Redis at 127.0.0.1:%d" % redis.port, UNAUTHENTICATED,
+            HINT_PASSWORD, fixed_context(identity))
+        assert not own_connection_open(conn)
+
+        redis.stop()
+        assert error_report(conn, FIXED, (identity,)) == (
+            "08001", "could not connect to Redis at 127.0.0.1:%d" % redis.port, "Connection refused",
+            HINT_SERVER, fixed_context(identity))
+        assert not own_connection_open(conn)
+    finally:
+        if conn is not None:
+            conn.close()
+        server.remove()
 
 
 def test_ordinary_role_sees_no_secret(redis_factory):

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import fixed_units, Hammer, free_port, new_ident, rl_key, set_gucs
 from test_fault_matrix import Blackhole
+from test_reports import HINT_PASSWORD
 from redis_topology import (connections, backend_identity, timed, MASTER_NAME, RedisSentinelFixture, fresh_redis_sentinel,  # noqa: F401
                             redis_sentinel, resp_pipeline, wait_for)
 
@@ -38,6 +39,7 @@ def resume_bound(recheck_ms=1000):
 
 
 RESUME_BOUND_S = resume_bound()  # for sessions with the production re-check interval
+HINT_SENTINEL_PASSWORD = "Set rl_redis.sentinel_password to the password the sentinels expect."
 
 
 # ---------------------------------------------------------------- helpers
@@ -319,7 +321,8 @@ def test_role_is_checked_before_any_command(sessions, redis_sentinel):
 def test_sentinel_and_node_passwords(sessions):
     """Sentinels with their own requirepass and data nodes with another:
     rl_redis.sentinel_password goes to the sentinels, rl_redis.password to
-    the master; neither appears in an error."""
+    the master; neither appears in an error, whose hint names the setting
+    of the password that was refused."""
     topo = RedisSentinelFixture(password="data-pw-3141", sentinel_password="sentinel-pw-2718")
     try:
         topo.start()
@@ -335,6 +338,9 @@ def test_sentinel_and_node_passwords(sessions):
             set_gucs(other, **gucs)
             value, _ = timed(other, FIXED, (identity, 5, HUGE_WINDOW_MS))
             assert isinstance(value, psycopg.Error) and value.sqlstate.startswith("08"), (gucs, value)
+            # the hint names the password of the servers that refused it
+            assert value.diag.message_hint == (HINT_SENTINEL_PASSWORD if "sentinel_password" in gucs
+                                               else HINT_PASSWORD), (gucs, value.diag.message_hint)
             for secret in ("data-pw-3141", "sentinel-pw-2718", "wrong-sentinel-pw", "wrong-data-pw"):
                 assert secret not in str(value)
         assert fixed_units(master.command("GET", fixed_key(identity, 5))) == "1"

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from conftest import fixed_units, new_ident, pg_connect, rl_key, set_gucs, use_redis
-from test_stats import stats_row
+from test_stats import dead_port, stats_row
 
 TEST_CLOCK_MS = 1800000000000  # a frozen clock on a whole minute
 WINDOW_MS = 60000
@@ -292,3 +292,33 @@ def test_check_all_denial_waits_for_the_enforcing_limits_only(session, policy, i
     got = [check_all([enforce, shadow], ident) for _ in range(2)]
     want = [check_all([enforce], twin) for _ in range(2)]
     assert got[1] == want[1] == (False, 1, 0, WINDOW_MS, WINDOW_MS)
+
+
+def test_on_error_deny_does_not_deny_a_shadow_policy(pg, policy, ident):
+    """Redis refusing connections and rl_redis.on_error = deny: every path
+    allows a shadow policy's call (counted in fallback_allow and
+    shadow_denied), and rl_check_all denies only when one of its policies
+    enforces. A shadow policy must never deny."""
+    conn = pg_connect()
+    try:
+        set_gucs(conn, host="127.0.0.1", port=dead_port(), retry_interval=0, on_error="deny",
+                 test_clock_ms=TEST_CLOCK_MS)
+        shadow, enforce, slots = policy("fixed", 3), policy("fixed", 3, mode="enforce"), policy("concurrency", 1)
+        assert check(conn, shadow, ident)[0] is True
+        assert conn.execute("SELECT rl_allow(%s, %s)", (shadow, ident)).fetchone()[0] is True
+        assert conn.execute("SELECT array_agg(allowed) FROM rl_check_many(%s, ARRAY[%s, %s])",
+                            (shadow, ident, "other")).fetchone()[0] == [True, True]
+        assert conn.execute("SELECT rl_allow_all(ARRAY[%s], %s)", (shadow, ident)).fetchone()[0] is True
+        assert conn.execute("SELECT rl_allow_all(ARRAY[%s, %s], %s)", (shadow, enforce, ident)).fetchone()[0] \
+            is False
+        assert check(conn, enforce, ident)[0] is False
+        with conn.transaction():
+            assert conn.execute("SELECT rl_acquire_allow(%s, %s)", (slots, ident)).fetchone()[0] is True
+        # the call of both policies, which on_error denied, counts on the
+        # shadow policy's row too, as a denial by another policy does
+        row = stats_row(conn, shadow)
+        assert (row["fallback_allow"], row["fallback_deny"], row["shadow_denied"]) == (5, 1, 5), row
+        row = stats_row(conn, slots)
+        assert (row["fallback_allow"], row["fallback_deny"], row["shadow_denied"]) == (1, 0, 1), row
+    finally:
+        conn.close()

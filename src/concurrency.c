@@ -2,7 +2,7 @@
  * concurrency.c
  *	  The SQL functions of concurrency limits: rl_acquire, rl_release,
  *	  rl_concurrency_acquire, rl_concurrency_release, and
- *	  rl_concurrency_holders, which lists who holds an identity's slots.
+ *	  rl_concurrency_holders, which lists who holds a policy's slots.
  *
  * A slot is taken through rl_decide (engine.c), which checks the identity
  * and the limit (lim slots, a lease of at most rl_redis.max_lease) as it
@@ -172,64 +172,58 @@ bad:
 	return NULL;				/* keep compiler quiet */
 }
 
-PG_FUNCTION_INFO_V1(rl_concurrency_holders);
+/*
+ * Fills now_s ("(<microseconds>", the bound that leaves out the leases that
+ * end then: the scripts free those) with the clock of the scripts: the
+ * test clock, or Redis's TIME on the connection key routes to.
+ */
+static void
+rl_holders_now(StringInfo key, char *now_s, size_t size)
+{
+	const char *argv[1] = {"TIME"};
+	size_t		argvlen[1] = {4};
+	redisReply *reply;
+	long long	sec,
+				usec;
+
+	now_s[0] = '(';
+	if (rl_clock_arg(now_s + 1) != 0)
+		return;
+	reply = rl_holders_command(key, 1, argv, argvlen);
+	sec = reply->elements == 2 ? rl_reply_number(reply->element[0]) : -1;
+	usec = reply->elements == 2 ? rl_reply_number(reply->element[1]) : -1;
+	freeReplyObject(reply);
+	if (sec < 0 || sec >= 100000000000LL || usec < 0 || usec >= 1000000)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROTOCOL_VIOLATION),
+				 errmsg("unexpected reply to TIME from Redis")));
+	snprintf(now_s + 1, size - 1, INT64_FORMAT,
+			 (int64) sec * 1000000 + (int64) usec);
+}
 
 /*
- * rl_concurrency_holders(policy, identity): who holds the identity's slots
- * of a concurrency policy now (their leases have not ended on the clock of
- * the scripts: Redis's, or the test clock), one row each, the lease ending
- * first first: the slot's token (the holder), the pid of the backend that
- * took it (the token's first field; NULL for a token that carries none)
- * and when its lease ends.
+ * Adds to the result one row per holder of key, identity's slots, whose
+ * lease ends after now_s, the lease ending first first: the identity, the
+ * slot's token (the holder), the pid of the backend that took it (the
+ * token's first field; NULL for a token that carries none) and when its
+ * lease ends.
  */
-Datum
-rl_concurrency_holders(PG_FUNCTION_ARGS)
+static void
+rl_put_holders(ReturnSetInfo *rsinfo, StringInfo key, text *identity,
+			   const char *now_s)
 {
-	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	RlPolicy	policy = rl_concurrency_policy_arg(fcinfo, 0);
-	text	   *identity = rl_get_identity(fcinfo, 1);
-	StringInfo	key;
-	char		now_s[40];
-	const char *argv[6] = {"ZRANGE", NULL, now_s, "+inf", "BYSCORE", "WITHSCORES"};
-	size_t		argvlen[6] = {6, 0, 0, 4, 7, 10};
-	redisReply *reply;
+	const char *argv[6] = {"ZRANGE", key->data, now_s, "+inf", "BYSCORE",
+	"WITHSCORES"};
+	size_t		argvlen[6] = {6, key->len, strlen(now_s), 4, 7, 10};
+	redisReply *reply = rl_holders_command(key, 6, argv, argvlen);
 	size_t		i;
 
-	rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, true);
-	key = rl_build_key(identity, policy.name, &policy.limit);
-	InitMaterializedSRF(fcinfo, 0);
-
-	/* the leases that end after now (the scripts free those that end then) */
-	now_s[0] = '(';
-	if (rl_clock_arg(now_s + 1) == 0)
-	{
-		const char *time_argv[1] = {"TIME"};
-		size_t		time_argvlen[1] = {4};
-
-		long long	sec,
-					usec;
-
-		reply = rl_holders_command(key, 1, time_argv, time_argvlen);
-		sec = reply->elements == 2 ? rl_reply_number(reply->element[0]) : -1;
-		usec = reply->elements == 2 ? rl_reply_number(reply->element[1]) : -1;
-		freeReplyObject(reply);
-		if (sec < 0 || sec >= 100000000000LL || usec < 0 || usec >= 1000000)
-			ereport(ERROR,
-					(errcode(ERRCODE_PROTOCOL_VIOLATION),
-					 errmsg("unexpected reply to TIME from Redis")));
-		snprintf(now_s + 1, sizeof(now_s) - 1, INT64_FORMAT,
-				 (int64) sec * 1000000 + (int64) usec);
-	}
-	argv[1] = key->data;
-	argvlen[1] = key->len;
-	argvlen[2] = strlen(now_s);
-	reply = rl_holders_command(key, 6, argv, argvlen);
 	for (i = 0; i < reply->elements; i += 2)
 	{
 		redisReply *member = reply->element[i];
 		long long	ends = rl_reply_number(reply->element[i + 1]);
-		Datum		values[3];
-		bool		nulls[3] = {false, false, false};
+		Datum		values[4];
+		bool		nulls[4] = {false, false, false, false};
 		char	   *colon;
 		char	   *end;
 		long		pid;
@@ -238,18 +232,135 @@ rl_concurrency_holders(PG_FUNCTION_ARGS)
 		if (!pg_verifymbstr(member->str, member->len, true) ||
 			ends < 0 || ends >= 100000000000000000LL)
 			continue;
-		values[0] = PointerGetDatum(cstring_to_text_with_len(member->str, member->len));
+		values[0] = PointerGetDatum(identity);
+		values[1] = PointerGetDatum(cstring_to_text_with_len(member->str,
+															 member->len));
 		/* the pid, as rl_take_slot writes it: "<pid>:..." */
 		colon = memchr(member->str, ':', member->len);
 		pid = colon ? strtol(member->str, &end, 10) : 0;
 		if (colon && end == colon && end > member->str && pid > 0 && pid <= PG_INT32_MAX)
-			values[1] = Int32GetDatum((int32) pid);
+			values[2] = Int32GetDatum((int32) pid);
 		else
-			nulls[1] = true;
-		values[2] = TimestampTzGetDatum((TimestampTz) ends -
+			nulls[2] = true;
+		values[3] = TimestampTzGetDatum((TimestampTz) ends -
 										(POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * USECS_PER_DAY);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	freeReplyObject(reply);
+}
+
+/* Orders keys (StringInfo) by their bytes. */
+static int
+rl_key_cmp(const ListCell *a, const ListCell *b)
+{
+	StringInfo	ka = lfirst(a);
+	StringInfo	kb = lfirst(b);
+	int			c = memcmp(ka->data, kb->data, Min(ka->len, kb->len));
+
+	return c != 0 ? c : (ka->len > kb->len) - (ka->len < kb->len);
+}
+
+/*
+ * The keys of the slots of every identity of the concurrency policy, each
+ * once, in the order of their bytes: SCAN steps of COUNT 1000 over every
+ * master (in cluster mode a key that migrates is on two), keeping only the
+ * keys rl_slot_key_identity reads.
+ */
+static List *
+rl_policy_slot_keys(const RlPolicy *policy)
+{
+	RlFailure	failure = {0};
+	RlConn	  **conns;
+	int			n = rl_route_all(&conns, &failure);
+	StringInfoData pattern;
+	List	   *keys = NIL;
+	List	   *unique = NIL;
+	ListCell   *lc;
+	int			i;
+
+	if (n < 0)
+		rl_raise(&failure);
+	initStringInfo(&pattern);
+	rl_slot_keys_pattern(policy->name, &pattern);
+	for (i = 0; i < n; i++)
+	{
+		char		cursor[32] = "0";
+
+		do
+		{
+			redisReply *reply;
+			size_t		j;
+
+			CHECK_FOR_INTERRUPTS();
+			reply = rl_scan_step(conns[i], &pattern, cursor, sizeof(cursor));
+			for (j = 0; j < reply->element[1]->elements; j++)
+			{
+				redisReply *k = reply->element[1]->element[j];
+				StringInfo	key = makeStringInfo();
+
+				appendBinaryStringInfo(key, k->str, k->len);
+				keys = lappend(keys, key);
+			}
+			freeReplyObject(reply);
+		} while (strcmp(cursor, "0") != 0);
+	}
+	list_sort(keys, rl_key_cmp);
+	foreach(lc, keys)
+	{
+		if (unique == NIL || rl_key_cmp(lc, list_tail(unique)) != 0)
+			unique = lappend(unique, lfirst(lc));
+	}
+	list_free(keys);
+	pfree(pattern.data);
+	return unique;
+}
+
+PG_FUNCTION_INFO_V1(rl_concurrency_holders);
+
+/*
+ * rl_concurrency_holders(policy, identity DEFAULT NULL): who holds the
+ * slots of a concurrency policy now (their leases have not ended on the
+ * clock of the scripts: Redis's, or the test clock), the identity's, or
+ * with identity NULL every identity's (found with SCAN over the policy's
+ * keys, one identity after another), one row each (rl_put_holders).
+ */
+Datum
+rl_concurrency_holders(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	RlPolicy	policy = rl_concurrency_policy_arg(fcinfo, 0);
+	char		now_s[40];
+	bool		have_now = false;
+	List	   *keys;
+	ListCell   *lc;
+
+	InitMaterializedSRF(fcinfo, 0);
+	if (!PG_ARGISNULL(1))
+	{
+		text	   *identity = rl_get_identity(fcinfo, 1);
+		StringInfo	key;
+
+		rl_check_identity(VARSIZE_ANY_EXHDR(identity), NULL, true);
+		key = rl_build_key(identity, policy.name, &policy.limit);
+		rl_holders_now(key, now_s, sizeof(now_s));
+		rl_put_holders(rsinfo, key, identity, now_s);
+		return (Datum) 0;
+	}
+	keys = rl_policy_slot_keys(&policy);
+	foreach(lc, keys)
+	{
+		StringInfo	key = lfirst(lc);
+		text	   *identity = rl_slot_key_identity(key->data, key->len,
+													policy.name, &policy.limit);
+
+		if (identity == NULL ||
+			!pg_verifymbstr(VARDATA(identity), VARSIZE(identity) - VARHDRSZ,
+							true))
+			continue;
+		if (!have_now)
+			rl_holders_now(key, now_s, sizeof(now_s));
+		have_now = true;
+		rl_put_holders(rsinfo, key, identity, now_s);
+	}
 	return (Datum) 0;
 }

@@ -162,6 +162,36 @@ rl_open_socket(RlConn *conn, const struct sockaddr *addr, socklen_t addrlen,
 	return true;
 }
 
+/*
+ * Fills failure from the error reply Redis gave to the set-up command what
+ * and frees the reply. A refused AUTH, and any command refused for want of
+ * one (NOAUTH: no password set, where the server wants one), is an
+ * authentication failure whose hint names the password setting.
+ */
+static void
+rl_setup_refused(RlConn *conn, const char *what, redisReply *reply,
+				 RlFailure *failure)
+{
+	char		text[256];
+	bool		auth = strcmp(what, "AUTH") == 0 ||
+		rl_classify_error(reply->str, conn->host, NULL) == RL_REPLY_AUTH;
+
+	snprintf(text, sizeof(text), "%s", reply->str);
+	freeReplyObject(reply);
+	if (auth)
+		rl_conn_fail(conn, failure, RL_FAILURE_AUTH,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 conn->kind == RL_CONN_SENTINEL ?
+					 RL_HINT_SENTINEL_PASSWORD : RL_HINT_PASSWORD, text,
+					 "could not authenticate to Redis at %s", conn->address);
+	else
+		rl_conn_fail(conn, failure, RL_FAILURE_CONFIG,
+					 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+					 RL_HINT_NONE, text,
+					 "could not connect to Redis at %s: %s failed",
+					 conn->address, what);
+}
+
 /* Sends one handshake command (AUTH, SELECT); false if Redis refuses it. */
 static bool
 rl_handshake(RlConn *conn, const char *what, int argc, const char **argv,
@@ -176,23 +206,7 @@ rl_handshake(RlConn *conn, const char *what, int argc, const char **argv,
 		return false;
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
-		char		text[256];
-		bool		auth = strcmp(what, "AUTH") == 0;
-
-		snprintf(text, sizeof(text), "%s", reply->str);
-		freeReplyObject(reply);
-		if (auth)
-			rl_conn_fail(conn, failure, RL_FAILURE_AUTH,
-						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-						 conn->kind == RL_CONN_SENTINEL ?
-						 RL_HINT_SENTINEL_PASSWORD : RL_HINT_PASSWORD, text,
-						 "could not authenticate to Redis at %s", conn->address);
-		else
-			rl_conn_fail(conn, failure, RL_FAILURE_CONFIG,
-						 ERRCODE_SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-						 RL_HINT_NONE, text,
-						 "could not connect to Redis at %s: %s failed",
-						 conn->address, what);
+		rl_setup_refused(conn, what, reply, failure);
 		return false;
 	}
 	freeReplyObject(reply);
@@ -217,6 +231,11 @@ rl_check_master(RlConn *conn, TimestampTz deadline, RlFailure *failure)
 	reply = rl_roundtrip(conn, deadline, failure);
 	if (reply == NULL)
 		return false;
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		rl_setup_refused(conn, "ROLE", reply, failure);
+		return false;
+	}
 	if (reply->type == REDIS_REPLY_ARRAY && reply->elements > 0 &&
 		(reply->element[0]->type == REDIS_REPLY_STRING ||
 		 reply->element[0]->type == REDIS_REPLY_STATUS))

@@ -6,6 +6,7 @@
  */
 #include "postgres.h"
 
+#include "utils/builtins.h"
 #include "utils/memutils.h"
 
 #include "rl_redis.h"
@@ -205,6 +206,20 @@ rl_parse_key(const char *key, size_t len, RlKeyParts *parts)
 	return true;
 }
 
+/* Appends len bytes of s to the SCAN pattern buf, glob characters escaped. */
+static void
+rl_append_glob(StringInfo buf, const char *s, size_t len)
+{
+	size_t		i;
+
+	for (i = 0; i < len; i++)
+	{
+		if (strchr("*?[]\\", s[i]) != NULL)
+			appendStringInfoChar(buf, '\\');
+		appendStringInfoChar(buf, s[i]);
+	}
+}
+
 /*
  * Fills pattern with the SCAN pattern of every key of identity
  * (<key_prefix>*:{<identity>}*, its own glob characters escaped; it also
@@ -216,18 +231,12 @@ rl_identity_keys(text *identity, StringInfo pattern, StringInfo tag)
 {
 	StringInfoData head;
 	int			prefix_len = strlen(rl_key_prefix);
-	int			i;
 
 	initStringInfo(&head);
 	rl_append_key_head(&head, "", identity);
-	for (i = 0; i < head.len; i++)
-	{
-		if (i == prefix_len)
-			appendStringInfoString(pattern, "*");
-		if (strchr("*?[]\\", head.data[i]) != NULL)
-			appendStringInfoChar(pattern, '\\');
-		appendStringInfoChar(pattern, head.data[i]);
-	}
+	rl_append_glob(pattern, head.data, prefix_len);
+	appendStringInfoChar(pattern, '*');
+	rl_append_glob(pattern, head.data + prefix_len, head.len - prefix_len);
 	appendStringInfoChar(pattern, '*');
 	appendBinaryStringInfo(tag, head.data + prefix_len + 1,
 						   head.len - prefix_len - 1);
@@ -245,4 +254,70 @@ rl_key_of(const char *key, size_t len, StringInfo tag)
 
 	return rl_parse_key(key, len, &parts) && parts.taglen == (size_t) tag->len &&
 		memcmp(parts.tag, tag->data, tag->len) == 0;
+}
+
+/*
+ * Fills pattern with the SCAN pattern of the slots' keys of every identity
+ * of the concurrency policy (<key_prefix>concurrency:{*}:<policy>, the glob
+ * characters of the prefix and the name escaped).
+ */
+void
+rl_slot_keys_pattern(const char *policy, StringInfo pattern)
+{
+	rl_append_glob(pattern, rl_key_prefix, strlen(rl_key_prefix));
+	appendStringInfoString(pattern, "concurrency:{*}:");
+	rl_append_glob(pattern, policy, strlen(policy));
+}
+
+/*
+ * The identity whose slots of the concurrency policy (its name and limit)
+ * key holds, decoded; NULL when key is not exactly the key rl_build_key
+ * makes for an identity (another application's, or one longer than any
+ * identity may be). Does no I/O.
+ */
+text *
+rl_slot_key_identity(const char *key, size_t len, const char *policy,
+					 const RlLimit *limit)
+{
+	RlKeyParts	parts;
+	StringInfoData identity;
+	const char *p;
+	const char *end;
+	text	   *result;
+	StringInfo	rebuilt;
+
+	if (!rl_parse_key(key, len, &parts) ||
+		strcmp(parts.kind, "concurrency") != 0 ||
+		parts.taglen - 2 > RL_MAX_IDENTITY_BYTES * 3)
+		return NULL;
+	initStringInfo(&identity);
+	end = parts.tag + parts.taglen - 1;
+	for (p = parts.tag + 1; p < end; p++)
+	{
+		if (*p == '%' && end - p >= 3 && (memcmp(p, "%25", 3) == 0 ||
+										  memcmp(p, "%7B", 3) == 0 ||
+										  memcmp(p, "%7D", 3) == 0))
+		{
+			appendStringInfoChar(&identity, p[1] == '2' ? '%' :
+								 p[2] == 'B' ? '{' : '}');
+			p += 2;
+		}
+		else
+			appendStringInfoChar(&identity, *p);
+	}
+	if (identity.len > RL_MAX_IDENTITY_BYTES)
+	{
+		pfree(identity.data);
+		return NULL;
+	}
+	result = cstring_to_text_with_len(identity.data, identity.len);
+	pfree(identity.data);
+	/* what the encoding does not make (a '%' alone) is not an identity's key */
+	rebuilt = rl_build_key(result, policy, limit);
+	if ((size_t) rebuilt->len != len || memcmp(rebuilt->data, key, len) != 0)
+	{
+		pfree(result);
+		return NULL;
+	}
+	return result;
 }

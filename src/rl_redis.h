@@ -834,6 +834,9 @@ extern void rl_append_denials_key(StringInfo buf, const char *policy,
 extern void rl_identity_keys(text *identity, StringInfo pattern,
 							 StringInfo tag);
 extern bool rl_key_of(const char *key, size_t len, StringInfo tag);
+extern void rl_slot_keys_pattern(const char *policy, StringInfo pattern);
+extern text *rl_slot_key_identity(const char *key, size_t len,
+								  const char *policy, const RlLimit *limit);
 extern StringInfo rl_copy_key(StringInfo key);
 
 /* the one argument checker (checks.c) */
@@ -915,6 +918,10 @@ extern void rl_error_reply(RlConn *conn, redisReply *reply,
 extern redisReply *rl_reply_or_raise(RlConn *conn, redisReply *reply,
 									 RlFailure *failure);
 extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
+
+/* the SQL functions of explicit limits and administration (functions.c) */
+extern redisReply *rl_scan_step(RlConn *conn, StringInfo pattern,
+								char *cursor, size_t cursorsize);
 
 /* named policies (policy.c) */
 typedef struct RlPolicy
