@@ -57,6 +57,42 @@ rl_reply_or_raise(RlConn *conn, redisReply *reply, RlFailure *failure)
 }
 
 /*
+ * Sends one SCAN step (COUNT 1000) on conn for pattern from cursor; returns
+ * its reply, whose second element is an array of strings (the keys), and
+ * the next cursor ("0" when done) in cursor; raises on any other reply.
+ */
+redisReply *
+rl_scan_step(RlConn *conn, StringInfo pattern, char *cursor, size_t cursorsize)
+{
+	const char *argv[6] = {"SCAN", cursor, "MATCH", pattern->data, "COUNT", "1000"};
+	size_t		argvlen[6] = {4, strlen(cursor), 5, pattern->len, 5, 4};
+	RlFailure	failure = {0};
+	redisReply *reply = rl_command(conn, 6, argv, argvlen, &failure);
+	size_t		i;
+
+	rl_reply_or_raise(conn, reply, &failure);
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
+		reply->element[0]->type != REDIS_REPLY_STRING ||
+		reply->element[0]->len >= cursorsize ||
+		reply->element[1]->type != REDIS_REPLY_ARRAY)
+		goto bad;
+	for (i = 0; i < reply->element[1]->elements; i++)
+		if (reply->element[1]->element[i]->type != REDIS_REPLY_STRING)
+			goto bad;
+	memcpy(cursor, reply->element[0]->str, reply->element[0]->len);
+	cursor[reply->element[0]->len] = '\0';
+	return reply;
+
+bad:
+	freeReplyObject(reply);
+	ereport(ERROR,
+			(errcode(ERRCODE_PROTOCOL_VIOLATION),
+			 errmsg("unexpected reply to SCAN from Redis at %s",
+					rl_conn_name(conn))));
+	return NULL;				/* keep compiler quiet */
+}
+
+/*
  * Sends the work queued on the connections other than except (with a PING
  * after it, to read its replies): work that a transaction end could not
  * write, because that server had no open connection then, goes with the

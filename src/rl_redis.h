@@ -917,11 +917,9 @@ extern void rl_error_reply(RlConn *conn, redisReply *reply,
 						   RlFailure *failure);
 extern redisReply *rl_reply_or_raise(RlConn *conn, redisReply *reply,
 									 RlFailure *failure);
-extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
-
-/* the SQL functions of explicit limits and administration (functions.c) */
 extern redisReply *rl_scan_step(RlConn *conn, StringInfo pattern,
 								char *cursor, size_t cursorsize);
+extern Datum rl_result_datum(FunctionCallInfo fcinfo, const RlDecision *d);
 
 /* named policies (policy.c) */
 typedef struct RlPolicy
