@@ -295,3 +295,38 @@ def test_holders_scan_memory_per_key_is_small(cc_policy):
             assert grown_mb < 100, "backend grew by %.0f MB for %d keys" % (grown_mb, steps * 1000)
     finally:
         liar.close()
+
+
+def test_holders_cancel_while_scan_reply_in_flight(cc_policy):
+    """A SCAN whose reply comes after the statement was cancelled: that
+    reply never reaches the next call (which lists nobody)."""
+    import time
+    key = b"rl:concurrency:{stale}:" + cc_policy.encode()
+
+    def answer(word, args, n):
+        if word == b"SCAN":
+            if n == 0:
+                time.sleep(2.5)
+                return scan_reply(b"0", [key])
+            return scan_reply(b"0", [])
+        if word == b"TIME":
+            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
+        if word == b"ZRANGE":
+            return b"*2\r\n" + bulk(b"4242:x") + bulk(b"99999999999999999")
+        return b"-ERR unexpected\r\n"
+
+    liar = ScriptedRedis(answer)
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0, command_timeout=10000)
+            conn.execute("SET statement_timeout = '500ms'")
+            started = time.monotonic()
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                conn.execute("SELECT * FROM rl_concurrency_holders(%s)", (cc_policy,))
+            assert time.monotonic() - started < 2
+            conn.execute("RESET statement_timeout")
+            time.sleep(2.5)  # the late reply has arrived by now
+            assert conn.execute("SELECT identity FROM rl_concurrency_holders(%s)", (cc_policy,)).fetchall() == []
+            assert liar.counts[b"SCAN"] == 2
+    finally:
+        liar.close()
