@@ -330,3 +330,34 @@ def test_holders_cancel_while_scan_reply_in_flight(cc_policy):
             assert liar.counts[b"SCAN"] == 2
     finally:
         liar.close()
+
+
+def test_holders_scan_duplicates_and_foreign_keys(cc_policy):
+    """SCAN may return a key twice (and a migrating key is on two masters):
+    each identity is listed once; keys the encoding does not make (a '%'
+    alone, another policy's suffix, an empty tag) are not identities'."""
+    p = cc_policy.encode()
+    a = b"rl:concurrency:{a%25b}:" + p
+    b = b"rl:concurrency:{x%7By%7D}:" + p
+    foreign = [b"rl:concurrency:{a%b}:" + p, b"rl:concurrency:{}:" + p,
+               b"rl:concurrency:{z}:" + p + b"x", b"rl:concurrency:{z}}:" + p]
+
+    def answer(word, args, n):
+        if word == b"SCAN":
+            return scan_reply(b"7", [a] + foreign) if n == 0 else scan_reply(b"0", [b, a])
+        if word == b"TIME":
+            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
+        if word == b"ZRANGE":
+            return b"*2\r\n" + bulk(b"4242:x") + bulk(b"1800000000000000")
+        return b"-ERR unexpected\r\n"
+
+    liar = ScriptedRedis(answer)
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
+            rows = conn.execute("SELECT identity, backend_pid FROM rl_concurrency_holders(%s) ORDER BY 1",
+                                (cc_policy,)).fetchall()
+            assert rows == [("a%b", 4242), ("x{y}", 4242)]
+            assert liar.counts[b"ZRANGE"] == 2
+    finally:
+        liar.close()
