@@ -158,3 +158,206 @@ def test_bad_reply_under_on_error_allow(policy):
             assert conn.execute("SELECT (rl_check(%s, %s)).allowed", (policy, new_ident("lie"))).fetchone() == (False,)
     finally:
         liar.close()
+
+
+# rl_concurrency_holders(policy) walks the policy's keys with SCAN: what a
+# lying Redis says to SCAN must neither hang the backend beyond a cancel nor
+# leave a reply in flight for the next caller, nor grow its memory without
+# bound.
+
+
+class ScriptedRedis(LyingRedis):
+    """Answers each command word with answer(word, args, n) (raw RESP bytes,
+    or None to keep silent for a while), n counting the calls of that word."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.counts = {}
+        super().__init__(b"-ERR unexpected\r\n")
+
+    def _client(self, conn):
+        f = conn.makefile("rb")
+        try:
+            while True:
+                args = self._read_command(f)
+                if args is None:
+                    return
+                word = args[0].upper()
+                if word == b"PING":
+                    conn.sendall(b"+PONG\r\n")
+                    continue
+                if word in (b"AUTH", b"SELECT"):
+                    conn.sendall(b"+OK\r\n")
+                    continue
+                n = self.counts.get(word, 0)
+                self.counts[word] = n + 1
+                conn.sendall(self.answer(word, args, n))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+def bulk(b):
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+def scan_reply(cursor, keys):
+    return b"*2\r\n" + bulk(cursor) + b"*%d\r\n" % len(keys) + b"".join(bulk(k) for k in keys)
+
+
+@pytest.fixture
+def cc_policy(pg):
+    name = "pytest.lie.cc.%s" % uuid.uuid4().hex[:12]
+    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, 'concurrency', 2, 60000)", (name,))
+    yield name
+    pg.execute("DELETE FROM rl_policy WHERE name = %s", (name,))
+
+
+def test_holders_scan_cursor_never_ends_is_cancelled_and_session_clean(cc_policy):
+    """A Redis whose SCAN never returns cursor 0: the walk is cancelled by
+    statement_timeout, and the session then lists holders again."""
+    import time
+    liar = ScriptedRedis(lambda word, args, n: scan_reply(b"1", []))
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
+            conn.execute("SET statement_timeout = '1s'")
+            started = time.monotonic()
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                conn.execute("SELECT * FROM rl_concurrency_holders(%s)", (cc_policy,))
+            assert time.monotonic() - started < 5
+            conn.execute("RESET statement_timeout")
+            conn.execute("RESET rl_redis.host")
+            conn.execute("RESET rl_redis.port")
+            assert conn.execute("SELECT count(*) FROM rl_concurrency_holders(%s)", (cc_policy,)).fetchone() == (0,)
+    finally:
+        liar.close()
+
+
+def _rss_kb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_holders_scan_memory_per_key_is_small(cc_policy):
+    """300 SCAN steps of 1000 keys of the policy's (identities of a few
+    bytes), then an error to the first ZRANGE: the walk keeps what it found
+    until it ends, and must keep it compactly. It kept a StringInfo (over
+    1 KB) per key: 300 000 keys grew the backend by over 300 MB, and a Redis
+    that lies about SCAN grows it until the statement is cancelled."""
+    import threading
+    import time
+    prefix = b"rl:concurrency:{"
+    suffix = b"}:" + cc_policy.encode()
+    steps = 300
+
+    def answer(word, args, n):
+        if word == b"SCAN":
+            return scan_reply(b"1" if n < steps - 1 else b"0",
+                              [prefix + b"id%d.%d" % (n, i) + suffix for i in range(1000)])
+        if word == b"TIME":
+            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
+        return b"-ERR stop here\r\n"
+
+    liar = ScriptedRedis(answer)
+    try:
+        with pg_connect() as conn:
+            pid = conn.info.backend_pid
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
+            conn.execute("SET statement_timeout = '60s'")
+            before = _rss_kb(pid)
+            peak = [before]
+            done = threading.Event()
+
+            def watch():
+                while not done.is_set():
+                    try:
+                        peak[0] = max(peak[0], _rss_kb(pid))
+                    except OSError:
+                        return
+                    time.sleep(0.02)
+
+            t = threading.Thread(target=watch)
+            t.start()
+            try:
+                with pytest.raises(psycopg.Error) as exc:
+                    conn.execute("SELECT * FROM rl_concurrency_holders(%s)", (cc_policy,))
+            finally:
+                done.set()
+                t.join()
+            assert "stop here" in str(exc.value), exc.value
+            assert liar.counts[b"SCAN"] == steps
+            grown_mb = (peak[0] - before) / 1024
+            assert grown_mb < 100, "backend grew by %.0f MB for %d keys" % (grown_mb, steps * 1000)
+    finally:
+        liar.close()
+
+
+def test_holders_cancel_while_scan_reply_in_flight(cc_policy):
+    """A SCAN whose reply comes after the statement was cancelled: that
+    reply never reaches the next call (which lists nobody)."""
+    import time
+    key = b"rl:concurrency:{stale}:" + cc_policy.encode()
+
+    def answer(word, args, n):
+        if word == b"SCAN":
+            if n == 0:
+                time.sleep(2.5)
+                return scan_reply(b"0", [key])
+            return scan_reply(b"0", [])
+        if word == b"TIME":
+            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
+        if word == b"ZRANGE":
+            return b"*2\r\n" + bulk(b"4242:x") + bulk(b"99999999999999999")
+        return b"-ERR unexpected\r\n"
+
+    liar = ScriptedRedis(answer)
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0, command_timeout=10000)
+            conn.execute("SET statement_timeout = '500ms'")
+            started = time.monotonic()
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                conn.execute("SELECT * FROM rl_concurrency_holders(%s)", (cc_policy,))
+            assert time.monotonic() - started < 2
+            conn.execute("RESET statement_timeout")
+            time.sleep(2.5)  # the late reply has arrived by now
+            assert conn.execute("SELECT identity FROM rl_concurrency_holders(%s)", (cc_policy,)).fetchall() == []
+            assert liar.counts[b"SCAN"] == 2
+    finally:
+        liar.close()
+
+
+def test_holders_scan_duplicates_and_foreign_keys(cc_policy):
+    """SCAN may return a key twice (and a migrating key is on two masters):
+    each identity is listed once; keys the encoding does not make (a '%'
+    alone, another policy's suffix, an empty tag) are not identities'."""
+    p = cc_policy.encode()
+    a = b"rl:concurrency:{a%25b}:" + p
+    b = b"rl:concurrency:{x%7By%7D}:" + p
+    foreign = [b"rl:concurrency:{a%b}:" + p, b"rl:concurrency:{}:" + p,
+               b"rl:concurrency:{z}:" + p + b"x", b"rl:concurrency:{z}}:" + p]
+
+    def answer(word, args, n):
+        if word == b"SCAN":
+            return scan_reply(b"7", [a] + foreign) if n == 0 else scan_reply(b"0", [b, a])
+        if word == b"TIME":
+            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
+        if word == b"ZRANGE":
+            return b"*2\r\n" + bulk(b"4242:x") + bulk(b"1800000000000000")
+        return b"-ERR unexpected\r\n"
+
+    liar = ScriptedRedis(answer)
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
+            rows = conn.execute("SELECT identity, backend_pid FROM rl_concurrency_holders(%s) ORDER BY 1",
+                                (cc_policy,)).fetchall()
+            assert rows == [("a%b", 4242), ("x{y}", 4242)]
+            assert liar.counts[b"ZRANGE"] == 2
+    finally:
+        liar.close()

@@ -249,31 +249,35 @@ rl_put_holders(ReturnSetInfo *rsinfo, StringInfo key, text *identity,
 	freeReplyObject(reply);
 }
 
-/* Orders keys (StringInfo) by their bytes. */
+/* Orders identities (text) by their bytes. */
 static int
-rl_key_cmp(const ListCell *a, const ListCell *b)
+rl_identity_cmp(const ListCell *a, const ListCell *b)
 {
-	StringInfo	ka = lfirst(a);
-	StringInfo	kb = lfirst(b);
-	int			c = memcmp(ka->data, kb->data, Min(ka->len, kb->len));
+	text	   *ia = lfirst(a);
+	text	   *ib = lfirst(b);
+	int			la = VARSIZE(ia) - VARHDRSZ;
+	int			lb = VARSIZE(ib) - VARHDRSZ;
+	int			c = memcmp(VARDATA(ia), VARDATA(ib), Min(la, lb));
 
-	return c != 0 ? c : (ka->len > kb->len) - (ka->len < kb->len);
+	return c != 0 ? c : (la > lb) - (la < lb);
 }
 
 /*
- * The keys of the slots of every identity of the concurrency policy, each
- * once, in the order of their bytes: SCAN steps of COUNT 1000 over every
- * master (in cluster mode a key that migrates is on two), keeping only the
- * keys rl_slot_key_identity reads.
+ * Every identity that holds slots of the concurrency policy, each once, in
+ * the order of their bytes: SCAN steps of COUNT 1000 over every master (in
+ * cluster mode a key that migrates is on two), keeping only the keys
+ * rl_slot_key_identity reads, whose identity is valid in the server
+ * encoding. Keeps the identities, not the keys (a StringInfo of 1 KB or
+ * more each), as it walks: what a walk of many keys holds until it ends.
  */
 static List *
-rl_policy_slot_keys(const RlPolicy *policy)
+rl_policy_slot_identities(const RlPolicy *policy)
 {
 	RlFailure	failure = {0};
 	RlConn	  **conns;
 	int			n = rl_route_all(&conns, &failure);
 	StringInfoData pattern;
-	List	   *keys = NIL;
+	List	   *found = NIL;
 	List	   *unique = NIL;
 	ListCell   *lc;
 	int			i;
@@ -296,21 +300,30 @@ rl_policy_slot_keys(const RlPolicy *policy)
 			for (j = 0; j < reply->element[1]->elements; j++)
 			{
 				redisReply *k = reply->element[1]->element[j];
-				StringInfo	key = makeStringInfo();
+				text	   *identity = rl_slot_key_identity(k->str, k->len,
+															policy->name,
+															&policy->limit);
 
-				appendBinaryStringInfo(key, k->str, k->len);
-				keys = lappend(keys, key);
+				if (identity == NULL)
+					continue;
+				if (!pg_verifymbstr(VARDATA(identity),
+									VARSIZE(identity) - VARHDRSZ, true))
+				{
+					pfree(identity);
+					continue;
+				}
+				found = lappend(found, identity);
 			}
 			freeReplyObject(reply);
 		} while (strcmp(cursor, "0") != 0);
 	}
-	list_sort(keys, rl_key_cmp);
-	foreach(lc, keys)
+	list_sort(found, rl_identity_cmp);
+	foreach(lc, found)
 	{
-		if (unique == NIL || rl_key_cmp(lc, list_tail(unique)) != 0)
+		if (unique == NIL || rl_identity_cmp(lc, list_tail(unique)) != 0)
 			unique = lappend(unique, lfirst(lc));
 	}
-	list_free(keys);
+	list_free(found);
 	pfree(pattern.data);
 	return unique;
 }
@@ -331,7 +344,8 @@ rl_concurrency_holders(PG_FUNCTION_ARGS)
 	RlPolicy	policy = rl_concurrency_policy_arg(fcinfo, 0);
 	char		now_s[40];
 	bool		have_now = false;
-	List	   *keys;
+	List	   *identities;
+	StringInfoData slot_key;
 	ListCell   *lc;
 
 	InitMaterializedSRF(fcinfo, 0);
@@ -346,21 +360,20 @@ rl_concurrency_holders(PG_FUNCTION_ARGS)
 		rl_put_holders(rsinfo, key, identity, now_s);
 		return (Datum) 0;
 	}
-	keys = rl_policy_slot_keys(&policy);
-	foreach(lc, keys)
+	identities = rl_policy_slot_identities(&policy);
+	initStringInfo(&slot_key);
+	foreach(lc, identities)
 	{
-		StringInfo	key = lfirst(lc);
-		text	   *identity = rl_slot_key_identity(key->data, key->len,
-													policy.name, &policy.limit);
+		text	   *identity = lfirst(lc);
+		StringInfo	built = rl_build_key(identity, policy.name, &policy.limit);
 
-		if (identity == NULL ||
-			!pg_verifymbstr(VARDATA(identity), VARSIZE(identity) - VARHDRSZ,
-							true))
-			continue;
+		/* a copy: rl_build_key's buffer is the next call's */
+		resetStringInfo(&slot_key);
+		appendBinaryStringInfo(&slot_key, built->data, built->len);
 		if (!have_now)
-			rl_holders_now(key, now_s, sizeof(now_s));
+			rl_holders_now(&slot_key, now_s, sizeof(now_s));
 		have_now = true;
-		rl_put_holders(rsinfo, key, identity, now_s);
+		rl_put_holders(rsinfo, &slot_key, identity, now_s);
 	}
 	return (Datum) 0;
 }

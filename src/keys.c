@@ -272,8 +272,8 @@ rl_slot_keys_pattern(const char *policy, StringInfo pattern)
 /*
  * The identity whose slots of the concurrency policy (its name and limit)
  * key holds, decoded; NULL when key is not exactly the key rl_build_key
- * makes for an identity (another application's, or one longer than any
- * identity may be). Does no I/O.
+ * makes for an identity (another application's, or one empty or longer
+ * than any identity may be). Does no I/O.
  */
 text *
 rl_slot_key_identity(const char *key, size_t len, const char *policy,
@@ -305,7 +305,8 @@ rl_slot_key_identity(const char *key, size_t len, const char *policy,
 		else
 			appendStringInfoChar(&identity, *p);
 	}
-	if (identity.len > RL_MAX_IDENTITY_BYTES)
+	/* no call takes a slot for an empty identity (rl_check_identity) */
+	if (identity.len == 0 || identity.len > RL_MAX_IDENTITY_BYTES)
 	{
 		pfree(identity.data);
 		return NULL;
