@@ -299,8 +299,9 @@ rl_conn_hand_over(RlConn *from, RlConn *to)
 }
 
 /*
- * With rl_redis.transport = shared and no connection of the session's own
- * open: hands the queue's commands not on their way yet to the worker,
+ * When the worker takes transaction-end work (rl_worker_takes: the shared
+ * transport) and the session has no connection of its own open: hands the
+ * queue's commands not on their way yet to the worker,
  * which sends them on its connection (an EVAL as the hash of its script
  * and its arguments: the script is too large for the queue, and the worker
  * has it too), and waits until deadline for the worker to have sent them.
@@ -311,8 +312,7 @@ rl_conn_hand_to_worker(RlConn *conn, TimestampTz deadline)
 {
 	uint64		settings;
 
-	if (rl_transport != RL_TRANSPORT_SHARED || conn->kind != RL_CONN_SERVER ||
-		!rl_topology()->one_server)
+	if (!rl_worker_takes(NULL, NULL) || conn->kind != RL_CONN_SERVER)
 		return false;
 	rl_queue_account(conn);
 	rl_queue_trim(conn);
