@@ -456,7 +456,7 @@ typedef struct RlDeferred
 } RlDeferred;
 
 extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
-								 const char *body);
+								 const char **head, const size_t *headlen);
 extern int	rl_close_idle(bool close);
 extern bool rl_idle_used_in_xact(void);
 
