@@ -6,9 +6,12 @@ runs `nm` on each object of the Makefile's OBJS (src/*.o, which `make test`
 builds before the tests run), maps every undefined symbol of an object to
 the object that defines it, and fails for each symbol a file takes from a
 file listed below it. A total order that every reference goes up is
-also free of cycles, so that is checked too. It needs no server.
+also free of cycles, so that is checked too. It also checks that the
+functions README.md's "How it works" table names are defined where it says.
+It needs no server.
 """
 
+import glob
 import os
 import re
 import subprocess
@@ -90,3 +93,73 @@ def test_files_call_only_files_listed_above():
         if symbol in definer and place[definer[symbol]] > place[name]
     )
     assert not wrong, "the layering rl_redis.h states is not kept:\n" + "\n".join(wrong)
+
+
+README = os.path.join(ROOT, "README.md")
+
+
+def how_it_works_cells():
+    """The file:function column of README.md's "How it works" table, a cell
+    per row (header and rule left out)."""
+    with open(README) as f:
+        text = f.read()
+    start = text.index("\n## How it works\n")
+    end = text.index("\n## ", start + 1)
+    rows = [line for line in text[start:end].splitlines() if line.startswith("|")]
+    cells = [re.match(r"^\|.*\|(.*)\|\s*$", row).group(1).strip() for row in rows]
+    return cells[2:]
+
+
+def defines(path, name):
+    """Whether the source file at path (under ROOT) defines the function
+    name: a C definition starts a line with it (the return type is on the
+    line above), a Lua one is `[local] function name(` or `name = function`."""
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    n = re.escape(name)
+    if path.endswith(".lua"):
+        pattern = r"^\s*(?:local\s+)?function\s+%s\s*\(|^\s*%s\s*=\s*function\b" % (n, n)
+    else:
+        pattern = r"^%s\(" % n
+    return re.search(pattern, text, re.M) is not None
+
+
+def test_how_it_works_names_what_exists():
+    """Each `file:function` in README.md's "How it works" table is defined in
+    that file, each other file it names exists, each bare C function name
+    (`rl_route_all`, after a `file:function`) is defined in a file of src/,
+    and each bare name after a Lua file's `file:function` in that Lua file,
+    so that the map of promises to code cannot rot."""
+    sources = [os.path.relpath(p, ROOT)
+               for p in sorted(glob.glob(os.path.join(ROOT, "src", "*.c")))]
+    cells = how_it_works_cells()
+    assert len(cells) >= 10, "README.md's How it works table was not found"
+    wrong = []
+    checked = 0
+    for cell in cells:
+        last = None
+        for token in re.findall(r"`([^`]+)`", cell):
+            named = re.match(r"^((?:src|lua)/[\w.]+):([\w.]+)$", token)
+            if named:
+                path, name = named.groups()
+                last = path
+                checked += 1
+                if not os.path.exists(os.path.join(ROOT, path)):
+                    wrong.append("%s: no file %s" % (token, path))
+                elif not defines(path, name):
+                    wrong.append("%s: %s does not define %s" % (token, path, name))
+            elif re.match(r"^(?:src|lua|sql|sql_tests)/", token):
+                if not glob.glob(os.path.join(ROOT, token)):
+                    wrong.append("%s: no such file" % token)
+            elif re.match(r"^rl_\w+$", token):
+                checked += 1
+                if not any(defines(path, token) for path in sources):
+                    wrong.append("%s: no file of src/ defines it" % token)
+            elif last is not None and last.endswith(".lua") and \
+                    re.match(r"^[a-z_][\w.]*$", token):
+                checked += 1
+                if not defines(last, token):
+                    wrong.append("%s: %s does not define it" % (token, last))
+    assert checked >= 20, "too few names found in the How it works table"
+    assert not wrong, "README.md's How it works table names what is not there:\n" + \
+        "\n".join(wrong)

@@ -126,6 +126,8 @@ extern void rl_conn_other_server(RlConn *conn);
 /* the Redis protocol (resp.c) */
 extern void rl_encode(StringInfo buf, int argc, const char **argv,
 					  const size_t *argvlen);
+extern void rl_encode_head(StringInfo buf, int argc, int n,
+						   const char **argv, const size_t *argvlen);
 extern int	rl_asking_argv(const char **argv, size_t *argvlen);
 extern bool rl_split_eval(const char *cmd, size_t len, const char **body,
 						  size_t *bodylen, const char **rest, size_t *restlen,

@@ -475,17 +475,15 @@ rl_queue_entries(RlScope *scope, const RlScript *script, bool refund,
 	{
 		/*
 		 * The run of keys of one hash slot, weighing at most
-		 * RL_REFUND_BATCH. When the call will be handed to the worker of
-		 * the shared transport (the session has no connection of its own
-		 * open), at most what an entry of its queue holds besides the
-		 * scope ids: a call too large for it would wait for a connection
-		 * the session may never open.
+		 * RL_REFUND_BATCH. When the worker of the shared transport may
+		 * carry the call (rl_worker_request_max says how large it may be),
+		 * at most that besides the scope ids and the script's other
+		 * arguments.
 		 */
 		RlConn	   *conn = rl_route_known(list[j]->key.data, list[j]->key.len);
-		bool		cut = rl_transport == RL_TRANSPORT_SHARED &&
-			(conn == NULL || !rl_conn_ready(conn));
-		size_t		budget = RL_SHARED_REQUEST_MAX - 1024 - strlen(parents) -
-			strlen(scope->id);
+		size_t		max = rl_worker_request_max(conn);
+		bool		cut = max > 0;
+		size_t		budget = max - 1024 - strlen(parents) - strlen(scope->id);
 		size_t		bytes = list[j]->key.len + RL_REFUND_KEY_BYTES;
 		int			weight = rl_refund_weight(list[j]);
 

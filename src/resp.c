@@ -19,13 +19,25 @@
 void
 rl_encode(StringInfo buf, int argc, const char **argv, const size_t *argvlen)
 {
+	rl_encode_head(buf, argc, argc, argv, argvlen);
+}
+
+/*
+ * Appends the head of a command of argc arguments, encoded in the Redis
+ * protocol, to buf: their number and the first n, argv[0..n-1]; the caller
+ * appends the other argc - n, encoded.
+ */
+void
+rl_encode_head(StringInfo buf, int argc, int n, const char **argv,
+			   const size_t *argvlen)
+{
 	char		num[24];
 	int			i;
 
 	appendStringInfoChar(buf, '*');
 	appendBinaryStringInfo(buf, num, pg_ulltoa_n((uint64) argc, num));
 	appendBinaryStringInfo(buf, "\r\n", 2);
-	for (i = 0; i < argc; i++)
+	for (i = 0; i < n; i++)
 	{
 		appendStringInfoChar(buf, '$');
 		appendBinaryStringInfo(buf, num, pg_ulltoa_n((uint64) argvlen[i], num));

@@ -41,7 +41,12 @@
  * src/conn.c         the per-backend cache of connections (RlConn, by
  *                    server address and kind), their settings and accessors
  * src/shared_queue.c the entries in shared memory between the sessions and
- *                    the worker (rl_redis.transport = shared)
+ *                    the worker (rl_redis.transport = shared); which
+ *                    transport carries a call, the worker or the session's
+ *                    own connection (rl_worker_takes), and the size of
+ *                    transaction-end work it may carry
+ *                    (rl_worker_request_max): no other file reads
+ *                    rl_redis.transport or an entry's size
  * src/io.c           a connection's waits (latch and socket), socket and
  *                    TLS reads and writes, a reply parsed
  * src/connect.c      opening a connection: resolve, open, TLS, handshake
@@ -451,7 +456,7 @@ typedef struct RlDeferred
 } RlDeferred;
 
 extern void rl_conn_defer_handed(RlConn *conn, const RlDeferred *work,
-								 const char *body);
+								 const char **head, const size_t *headlen);
 extern int	rl_close_idle(bool close);
 extern bool rl_idle_used_in_xact(void);
 
@@ -653,13 +658,9 @@ extern void rl_call_many(RlCall *calls, int n);
 
 /* the shared queue of rl_redis.transport = shared (shared_queue.c) */
 
-/* the largest reply an entry of the queue holds (the Redis protocol) */
-#define RL_SHARED_REPLY_MAX 4096
-
-/* the most bytes of a call's arguments (or of deferred work) an entry holds */
-#define RL_SHARED_REQUEST_MAX 8192
-
 extern void rl_shared_queue_init(void);
+extern bool rl_worker_takes(const RlScript *script, const char **argv);
+extern size_t rl_worker_request_max(RlConn *conn);
 extern redisReply *rl_shared_call(RlConn *own, const RlScript *script,
 								  int argc, const char **argv,
 								  const size_t *argvlen, int keyarg,

@@ -33,16 +33,6 @@
 /* the most redirections, or retries, one call follows */
 #define RL_MAX_REDIRECTS 8
 
-/*
- * The most keys of a several-limits call sent through the shared queue:
- * its reply of (6 + 2 * keys) numbers (23 bytes at most each) and a
- * verdict per key (0 or 1: 4 bytes) fits RL_SHARED_REPLY_MAX.
- */
-#define RL_SHARED_MANY_KEYS 64
-StaticAssertDecl((6 + 2 * RL_SHARED_MANY_KEYS) * 23 + 4 * RL_SHARED_MANY_KEYS + 16 <=
-				 RL_SHARED_REPLY_MAX,
-				 "the reply of a several-limits call fits the shared queue");
-
 /* the longest pause between two tries after TRYAGAIN or CLUSTERDOWN */
 #define RL_MAX_BACKOFF_MS 200
 
@@ -205,25 +195,6 @@ rl_pause(long ms)
 }
 
 /*
- * True when the reply of script, called with argv, surely fits an entry of
- * the shared queue (RL_SHARED_REPLY_MAX bytes), which the worker can only
- * learn once the call has run: the scripts of one decision, of a
- * concurrency slot and of a denial count, and the several-limits script of
- * at most RL_SHARED_MANY_KEYS keys (6 + 2 numbers per key, 23 bytes at
- * most each, and a verdict per key). The others (a statement guard over many keys,
- * rl_top_denied) go on the session's own connection.
- */
-static bool
-rl_shared_reply_fits(const RlScript *script, const char **argv)
-{
-	if (script->id < RL_NUM_ALGORITHMS || script == &rl_script_concurrency ||
-		script == &rl_script_denial_note)
-		return true;
-	return script == &rl_script_check_all &&
-		atoi(argv[RL_SCRIPT_ARGV_RESERVED]) <= RL_SHARED_MANY_KEYS;
-}
-
-/*
  * Sends a call on key and returns its reply (the caller frees it; it may be
  * an error reply), with *connp the connection that answered; NULL with
  * failure filled in when no answer came. With script, runs it (argv[0] and
@@ -249,21 +220,16 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 	if (topology->hash_slots)
 		rl_send_queued(NULL);
 
-	/*
-	 * rl_redis.transport = shared: through the worker, unless this
-	 * session's own connection has transaction-end work to send first.
-	 */
-	if (script != NULL && rl_transport == RL_TRANSPORT_SHARED &&
-		topology->one_server && rl_shared_reply_fits(script, argv))
+	/* the shared worker, when it takes the call (shared_queue.c says) */
+	if (script != NULL && rl_worker_takes(script, argv))
 	{
 		RlConn	   *own = rl_conn_get();
-		bool		used = false;
-		redisReply *reply = NULL;
+		bool		used;
+		redisReply *reply;
 
-		if (!rl_conn_has_queued(own))
-			reply = rl_shared_call(own, script, argc, argv, argvlen,
-								   RL_SCRIPT_ARGV_RESERVED + 1,
-								   rl_settings_hash(), failure, &used);
+		reply = rl_shared_call(own, script, argc, argv, argvlen,
+							   RL_SCRIPT_ARGV_RESERVED + 1,
+							   rl_settings_hash(), failure, &used);
 		if (used)
 		{
 			*connp = own;

@@ -38,11 +38,17 @@
  * the session's own connection. An entry whose session stopped waiting is
  * freed by the worker.
  *
- * A session uses its own connection instead (rl_shared_call says so) when
- * the worker is not running, when its connection settings differ from the
- * worker's (a session-level SET rl_redis.port, say), when the call or its
- * reply would not fit an entry, or when every entry is taken; the last two are
- * logged once per session. When the worker exits, the calls it had taken
+ * Which transport carries a call is decided here for every file: the
+ * worker (rl_worker_takes) under rl_redis.transport = shared in standalone
+ * mode, for the calls whose reply surely fits an entry and for the
+ * transaction-end work of a session without a connection of its own open,
+ * which is queued in calls of at most rl_worker_request_max bytes. A session
+ * still uses its own connection instead (rl_shared_call says so) when that
+ * connection has transaction-end work to send first, when the worker is
+ * not running, when its connection settings differ from the worker's (a
+ * session-level SET rl_redis.port, say), when the call would not fit an
+ * entry, or when every entry is taken; the last two are logged once per
+ * session. When the worker exits, the calls it had taken
  * fail (they may have run, so they are never sent again) and the calls
  * still queued go back to their sessions, which send them themselves.
  */
@@ -64,9 +70,23 @@
 
 #include "rl_redis.h"
 
-/* the most bytes of a call's arguments and of its reply that an entry holds */
-#define RL_ENTRY_REQUEST RL_SHARED_REQUEST_MAX
-#define RL_ENTRY_REPLY RL_SHARED_REPLY_MAX
+/*
+ * The most bytes of a call's arguments (or of deferred work) and of its
+ * reply (in the Redis protocol) that an entry holds. Other files learn
+ * them only through rl_worker_takes and rl_worker_request_max.
+ */
+#define RL_ENTRY_REQUEST 8192
+#define RL_ENTRY_REPLY 4096
+
+/*
+ * The most keys of a several-limits call sent through the shared queue:
+ * its reply of (6 + 2 * keys) numbers (23 bytes at most each) and a
+ * verdict per key (0 or 1: 4 bytes) fits an entry.
+ */
+#define RL_SHARED_MANY_KEYS 64
+StaticAssertDecl((6 + 2 * RL_SHARED_MANY_KEYS) * 23 + 4 * RL_SHARED_MANY_KEYS + 16 <=
+				 RL_ENTRY_REPLY,
+				 "the reply of a several-limits call fits the shared queue");
 
 /* how often a waiting session checks that the worker still runs */
 #define RL_WORKER_CHECK_MS 100
@@ -559,18 +579,72 @@ rl_enqueue(RlEntry *entry, RlEntryState state, PGPROC *worker)
 }
 
 /*
- * True when a call may go through the worker now: rl_redis.transport is
- * shared, the queue exists, a worker runs with the same connection
- * settings as this session (settings: their hash, rl_settings_hash), in
- * standalone mode.
+ * True when the worker serves this session's calls: rl_redis.transport is
+ * shared, in standalone mode (the only one it serves).
+ */
+static bool
+rl_worker_serves(void)
+{
+	return rl_transport == RL_TRANSPORT_SHARED && rl_topology()->one_server;
+}
+
+/*
+ * Which transport carries a call, decided here for every caller: true when
+ * the shared worker does, false when the session's own connection does.
+ * With script, for that call with argv (argv[RL_SCRIPT_ARGV_RESERVED..]:
+ * numkeys, keys, arguments), whose reply must surely fit an entry, which
+ * the worker can only learn once the call has run: the scripts of one
+ * decision, of a concurrency slot and of a denial count, and the
+ * several-limits script of at most RL_SHARED_MANY_KEYS keys. The others (a
+ * statement guard over many keys, rl_top_denied) go on the session's own
+ * connection. Without script (NULL), for the transaction-end work of a
+ * session that has no connection of its own open. The worker may still
+ * turn a call back (rl_shared_call, rl_shared_defer): see the file's
+ * header. Does no I/O.
+ */
+bool
+rl_worker_takes(const RlScript *script, const char **argv)
+{
+	if (!rl_worker_serves())
+		return false;
+	if (script == NULL || script->id < RL_NUM_ALGORITHMS ||
+		script == &rl_script_concurrency || script == &rl_script_denial_note)
+		return true;
+	return script == &rl_script_check_all &&
+		atoi(argv[RL_SCRIPT_ARGV_RESERVED]) <= RL_SHARED_MANY_KEYS;
+}
+
+/*
+ * The most bytes a call queued now for a transaction end on conn (the
+ * connection its key routes to, NULL when none is known yet) may take, so
+ * that the worker can carry it when the session has no connection of its
+ * own open then (a call too large for an entry would wait for a connection
+ * the session may never open); 0 when there is no such bound. Asked under
+ * rl_redis.transport = shared in every mode, as refunds always did,
+ * though outside standalone mode the worker never carries the work
+ * (rl_worker_takes): there the bound only makes smaller calls. Does no I/O.
+ */
+size_t
+rl_worker_request_max(RlConn *conn)
+{
+	if (rl_transport == RL_TRANSPORT_SHARED &&
+		(conn == NULL || !rl_conn_ready(conn)))
+		return RL_ENTRY_REQUEST;
+	return 0;
+}
+
+/*
+ * True when a call may go through the worker now: it serves this session
+ * (rl_worker_serves), the queue exists, a worker runs with the same
+ * connection settings as this session (settings: their hash,
+ * rl_settings_hash).
  */
 static bool
 rl_shared_usable(uint64 settings, uint64 *gen, PGPROC **worker)
 {
 	uint64		worker_settings;
 
-	if (rl_transport != RL_TRANSPORT_SHARED || queue == NULL || am_worker ||
-		!rl_topology()->one_server)
+	if (!rl_worker_serves() || queue == NULL || am_worker)
 		return false;
 	if (!rl_worker_running(gen, &worker_settings, worker))
 		return false;
@@ -704,15 +778,16 @@ rl_shared_call(RlConn *own, const RlScript *script, int argc,
 	void	   *reply = NULL;
 
 	*used = false;
-	if (rl_transport == RL_TRANSPORT_SHARED && !am_worker &&
-		rl_topology()->one_server)
+	/* own's transaction-end work goes first, on own */
+	if (rl_conn_has_queued(own))
+		return NULL;
+	if (rl_worker_serves() && !am_worker)
 		(void) rl_queue_attach(false);
 	if (!rl_shared_usable(settings, &gen, &worker))
 	{
 		/* the first call starts the worker; one that should run and does
 		 * not is said once per session */
-		if (rl_transport == RL_TRANSPORT_SHARED && control != NULL && !am_worker &&
-			rl_topology()->one_server &&
+		if (rl_worker_serves() && control != NULL && !am_worker &&
 			(queue == NULL || pg_atomic_read_u64(&queue->worker_gen) == 0) &&
 			rl_queue_start_worker())
 			no_worker_logged = true;

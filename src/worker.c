@@ -127,9 +127,17 @@ rl_worker_round(RlCall *calls, int *entries)
 				ereport(LOG,
 						(errmsg("rl_redis worker: dropped transaction-end work for %s:%d beyond the %d servers it keeps",
 								works[i].host, works[i].port, RL_MAX_CONNECTIONS)));
+			else if (script == NULL)
+				rl_conn_defer_handed(conn, &works[i], NULL, NULL);
 			else
-				rl_conn_defer_handed(conn, &works[i],
-									 script ? script->body : NULL);
+			{
+				/* it was an EVAL, and goes as one */
+				const char *head[RL_SCRIPT_ARGV_RESERVED];
+				size_t		headlen[RL_SCRIPT_ARGV_RESERVED];
+
+				rl_script_argv(script, true, head, headlen);
+				rl_conn_defer_handed(conn, &works[i], head, headlen);
+			}
 		}
 		/* sent now (and its replies are read) */
 		rl_send_queued(NULL);

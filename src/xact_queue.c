@@ -299,8 +299,9 @@ rl_conn_hand_over(RlConn *from, RlConn *to)
 }
 
 /*
- * With rl_redis.transport = shared and no connection of the session's own
- * open: hands the queue's commands not on their way yet to the worker,
+ * When the worker takes transaction-end work (rl_worker_takes: the shared
+ * transport) and the session has no connection of its own open: hands the
+ * queue's commands not on their way yet to the worker,
  * which sends them on its connection (an EVAL as the hash of its script
  * and its arguments: the script is too large for the queue, and the worker
  * has it too), and waits until deadline for the worker to have sent them.
@@ -311,8 +312,7 @@ rl_conn_hand_to_worker(RlConn *conn, TimestampTz deadline)
 {
 	uint64		settings;
 
-	if (rl_transport != RL_TRANSPORT_SHARED || conn->kind != RL_CONN_SERVER ||
-		!rl_topology()->one_server)
+	if (!rl_worker_takes(NULL, NULL) || conn->kind != RL_CONN_SERVER)
 		return false;
 	rl_queue_account(conn);
 	rl_queue_trim(conn);
@@ -358,26 +358,27 @@ rl_conn_hand_to_worker(RlConn *conn, TimestampTz deadline)
 
 /*
  * Queues deferred work a session handed over (rl_conn_hand_to_worker) on
- * conn, as rl_defer_command does: body is the text of its script when it
- * was an EVAL (else NULL).
+ * conn, as rl_defer_command does: head is NULL, or when the work was an
+ * EVAL the RL_SCRIPT_ARGV_RESERVED arguments before work's, as
+ * rl_script_argv fills them (EVAL and its script's text; the worker, which
+ * finds the script, fills them, as scripts.c is above this file).
  */
 void
-rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char *body)
+rl_conn_defer_handed(RlConn *conn, const RlDeferred *work, const char **head,
+					 const size_t *headlen)
 {
 	StringInfoData buf;
 
 	rl_register_exit();
-	if (body == NULL)
+	if (head == NULL)
 	{
 		rl_queue_push(conn, 0, NULL, NULL, work->encoded, work->len,
 					  work->flags, 0);
 		return;
 	}
 	initStringInfo(&buf);
-	appendStringInfo(&buf, "*%d\r\n$4\r\nEVAL\r\n$%zu\r\n", work->nargs + 2,
-					 work->script_len);
-	appendBinaryStringInfo(&buf, body, work->script_len);
-	appendBinaryStringInfo(&buf, "\r\n", 2);
+	rl_encode_head(&buf, RL_SCRIPT_ARGV_RESERVED + work->nargs,
+				   RL_SCRIPT_ARGV_RESERVED, head, headlen);
 	appendBinaryStringInfo(&buf, work->encoded, work->len);
 	rl_queue_push(conn, 0, NULL, NULL, buf.data, buf.len, work->flags, 0);
 	pfree(buf.data);
