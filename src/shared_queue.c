@@ -619,16 +619,14 @@ rl_worker_takes(const RlScript *script, const char **argv)
  * connection its key routes to, NULL when none is known yet) may take, so
  * that the worker can carry it when the session has no connection of its
  * own open then (a call too large for an entry would wait for a connection
- * the session may never open); 0 when there is no such bound. Asked under
- * rl_redis.transport = shared in every mode, as refunds always did,
- * though outside standalone mode the worker never carries the work
- * (rl_worker_takes): there the bound only makes smaller calls. Does no I/O.
+ * the session may never open); 0 when there is no such bound, as when the
+ * worker never carries transaction-end work (rl_worker_serves: Cluster and
+ * Sentinel modes). Does no I/O.
  */
 size_t
 rl_worker_request_max(RlConn *conn)
 {
-	if (rl_transport == RL_TRANSPORT_SHARED &&
-		(conn == NULL || !rl_conn_ready(conn)))
+	if (rl_worker_serves() && (conn == NULL || !rl_conn_ready(conn)))
 		return RL_ENTRY_REQUEST;
 	return 0;
 }
