@@ -7,6 +7,7 @@ usable with a real Redis afterwards.
 
 import socket
 import threading
+import time
 import uuid
 
 import psycopg
@@ -66,11 +67,15 @@ class LyingRedis:
                 elif word in (b"AUTH", b"SELECT"):
                     conn.sendall(b"+OK\r\n")
                 else:
-                    conn.sendall(self.reply)
+                    conn.sendall(self.respond(word, args))
         except OSError:
             pass
         finally:
             conn.close()
+
+    def respond(self, word, args):
+        """The raw RESP answer to a command other than PING, AUTH and SELECT."""
+        return self.reply
 
     def close(self):
         self.stop = True
@@ -81,12 +86,18 @@ def ints(*values):
     return b"*%d\r\n" % len(values) + b"".join(b":%d\r\n" % v for v in values)
 
 
-@pytest.fixture
-def policy(pg):
-    name = "pytest.lie.%s" % uuid.uuid4().hex[:12]
-    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, 'fixed', 10, 60000)", (name,))
+def made_policy(pg, tag, algorithm, lim):
+    """A new policy of 60 s windows, deleted when the generator ends."""
+    name = "pytest.lie.%s%s" % (tag, uuid.uuid4().hex[:12])
+    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, %s, %s, 60000)",
+               (name, algorithm, lim))
     yield name
     pg.execute("DELETE FROM rl_policy WHERE name = %s", (name,))
+
+
+@pytest.fixture
+def policy(pg):
+    yield from made_policy(pg, "", "fixed", 10)
 
 
 # one decision: 7 integers (allowed, lim, remaining, reset, retry, clock, epoch)
@@ -167,35 +178,18 @@ def test_bad_reply_under_on_error_allow(policy):
 
 
 class ScriptedRedis(LyingRedis):
-    """Answers each command word with answer(word, args, n) (raw RESP bytes,
-    or None to keep silent for a while), n counting the calls of that word."""
+    """Answers each command word with answer(word, args, n) (raw RESP
+    bytes; it may sleep first), n counting the calls of that word."""
 
     def __init__(self, answer):
         self.answer = answer
         self.counts = {}
         super().__init__(b"-ERR unexpected\r\n")
 
-    def _client(self, conn):
-        f = conn.makefile("rb")
-        try:
-            while True:
-                args = self._read_command(f)
-                if args is None:
-                    return
-                word = args[0].upper()
-                if word == b"PING":
-                    conn.sendall(b"+PONG\r\n")
-                    continue
-                if word in (b"AUTH", b"SELECT"):
-                    conn.sendall(b"+OK\r\n")
-                    continue
-                n = self.counts.get(word, 0)
-                self.counts[word] = n + 1
-                conn.sendall(self.answer(word, args, n))
-        except OSError:
-            pass
-        finally:
-            conn.close()
+    def respond(self, word, args):
+        n = self.counts.get(word, 0)
+        self.counts[word] = n + 1
+        return self.answer(word, args, n)
 
 
 def bulk(b):
@@ -206,28 +200,47 @@ def scan_reply(cursor, keys):
     return b"*2\r\n" + bulk(cursor) + b"*%d\r\n" % len(keys) + b"".join(bulk(k) for k in keys)
 
 
+def holders_redis(scan, lease_end=None):
+    """A ScriptedRedis for rl_concurrency_holders: SCAN answered by scan(n)
+    (n counting the SCANs), TIME a fixed clock, ZRANGE one holder (backend
+    4242) whose lease ends at lease_end (µs; without it, an error), any
+    other command "-ERR stop here"."""
+    def answer(word, args, n):
+        if word == b"SCAN":
+            return scan(n)
+        if word == b"TIME":
+            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
+        if word == b"ZRANGE" and lease_end is not None:
+            return b"*2\r\n" + bulk(b"4242:x") + bulk(b"%d" % lease_end)
+        return b"-ERR stop here\r\n"
+
+    return ScriptedRedis(answer)
+
+
 @pytest.fixture
 def cc_policy(pg):
-    name = "pytest.lie.cc.%s" % uuid.uuid4().hex[:12]
-    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES (%s, 'concurrency', 2, 60000)", (name,))
-    yield name
-    pg.execute("DELETE FROM rl_policy WHERE name = %s", (name,))
+    yield from made_policy(pg, "cc.", "concurrency", 2)
+
+
+def holders_cancelled(conn, policy, timeout, bound_s):
+    """rl_concurrency_holders(policy) under statement_timeout = timeout ends
+    in 57014 within bound_s seconds."""
+    conn.execute("SELECT set_config('statement_timeout', %s, false)", (timeout,))
+    started = time.monotonic()
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        conn.execute("SELECT * FROM rl_concurrency_holders(%s)", (policy,))
+    assert time.monotonic() - started < bound_s
+    conn.execute("RESET statement_timeout")
 
 
 def test_holders_scan_cursor_never_ends_is_cancelled_and_session_clean(cc_policy):
     """A Redis whose SCAN never returns cursor 0: the walk is cancelled by
     statement_timeout, and the session then lists holders again."""
-    import time
-    liar = ScriptedRedis(lambda word, args, n: scan_reply(b"1", []))
+    liar = holders_redis(lambda n: scan_reply(b"1", []))
     try:
         with pg_connect() as conn:
             set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
-            conn.execute("SET statement_timeout = '1s'")
-            started = time.monotonic()
-            with pytest.raises(psycopg.errors.QueryCanceled):
-                conn.execute("SELECT * FROM rl_concurrency_holders(%s)", (cc_policy,))
-            assert time.monotonic() - started < 5
-            conn.execute("RESET statement_timeout")
+            holders_cancelled(conn, cc_policy, "1s", 5)
             conn.execute("RESET rl_redis.host")
             conn.execute("RESET rl_redis.port")
             assert conn.execute("SELECT count(*) FROM rl_concurrency_holders(%s)", (cc_policy,)).fetchone() == (0,)
@@ -249,21 +262,13 @@ def test_holders_scan_memory_per_key_is_small(cc_policy):
     until it ends, and must keep it compactly. It kept a StringInfo (over
     1 KB) per key: 300 000 keys grew the backend by over 300 MB, and a Redis
     that lies about SCAN grows it until the statement is cancelled."""
-    import threading
-    import time
     prefix = b"rl:concurrency:{"
     suffix = b"}:" + cc_policy.encode()
     steps = 300
 
-    def answer(word, args, n):
-        if word == b"SCAN":
-            return scan_reply(b"1" if n < steps - 1 else b"0",
-                              [prefix + b"id%d.%d" % (n, i) + suffix for i in range(1000)])
-        if word == b"TIME":
-            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
-        return b"-ERR stop here\r\n"
-
-    liar = ScriptedRedis(answer)
+    liar = holders_redis(lambda n: scan_reply(
+        b"1" if n < steps - 1 else b"0",
+        [prefix + b"id%d.%d" % (n, i) + suffix for i in range(1000)]))
     try:
         with pg_connect() as conn:
             pid = conn.info.backend_pid
@@ -300,31 +305,19 @@ def test_holders_scan_memory_per_key_is_small(cc_policy):
 def test_holders_cancel_while_scan_reply_in_flight(cc_policy):
     """A SCAN whose reply comes after the statement was cancelled: that
     reply never reaches the next call (which lists nobody)."""
-    import time
     key = b"rl:concurrency:{stale}:" + cc_policy.encode()
 
-    def answer(word, args, n):
-        if word == b"SCAN":
-            if n == 0:
-                time.sleep(2.5)
-                return scan_reply(b"0", [key])
-            return scan_reply(b"0", [])
-        if word == b"TIME":
-            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
-        if word == b"ZRANGE":
-            return b"*2\r\n" + bulk(b"4242:x") + bulk(b"99999999999999999")
-        return b"-ERR unexpected\r\n"
+    def scan(n):
+        if n == 0:
+            time.sleep(2.5)
+            return scan_reply(b"0", [key])
+        return scan_reply(b"0", [])
 
-    liar = ScriptedRedis(answer)
+    liar = holders_redis(scan, 99999999999999999)
     try:
         with pg_connect() as conn:
             set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0, command_timeout=10000)
-            conn.execute("SET statement_timeout = '500ms'")
-            started = time.monotonic()
-            with pytest.raises(psycopg.errors.QueryCanceled):
-                conn.execute("SELECT * FROM rl_concurrency_holders(%s)", (cc_policy,))
-            assert time.monotonic() - started < 2
-            conn.execute("RESET statement_timeout")
+            holders_cancelled(conn, cc_policy, "500ms", 2)
             time.sleep(2.5)  # the late reply has arrived by now
             assert conn.execute("SELECT identity FROM rl_concurrency_holders(%s)", (cc_policy,)).fetchall() == []
             assert liar.counts[b"SCAN"] == 2
@@ -342,16 +335,9 @@ def test_holders_scan_duplicates_and_foreign_keys(cc_policy):
     foreign = [b"rl:concurrency:{a%b}:" + p, b"rl:concurrency:{}:" + p,
                b"rl:concurrency:{z}:" + p + b"x", b"rl:concurrency:{z}}:" + p]
 
-    def answer(word, args, n):
-        if word == b"SCAN":
-            return scan_reply(b"7", [a] + foreign) if n == 0 else scan_reply(b"0", [b, a])
-        if word == b"TIME":
-            return b"*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n"
-        if word == b"ZRANGE":
-            return b"*2\r\n" + bulk(b"4242:x") + bulk(b"1800000000000000")
-        return b"-ERR unexpected\r\n"
-
-    liar = ScriptedRedis(answer)
+    liar = holders_redis(
+        lambda n: scan_reply(b"7", [a] + foreign) if n == 0 else scan_reply(b"0", [b, a]),
+        1800000000000000)
     try:
         with pg_connect() as conn:
             set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
