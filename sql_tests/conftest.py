@@ -1031,8 +1031,10 @@ class PgServer:
 
 
 def backend_tcp_ports(pid):
-    """The local TCP ports of the sockets the process pid holds (from /proc:
-    the tests run as root or as the cluster owner)."""
+    """The TCP connections of the sockets the process pid holds, as (local
+    port, remote port) pairs (from /proc: the tests run as root or as the
+    cluster owner). Linux gives one local port to connections to different
+    servers, so a local port alone does not name a connection."""
     inodes = set()
     fd_dir = "/proc/%d/fd" % pid
     for fd in os.listdir(fd_dir):
@@ -1052,8 +1054,17 @@ def backend_tcp_ports(pid):
         for line in lines:
             fields = line.split()
             if fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+                ports.add((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)))
     return ports
+
+
+def client_ports(redis):
+    """(the client's port, the server's port, the CLIENT LIST fields) of
+    each client of a Redis server: a client's connection as
+    backend_tcp_ports names it."""
+    for line in redis.command("CLIENT", "LIST").splitlines():
+        f = dict(p.split("=", 1) for p in line.split() if "=" in p)
+        yield int(f["addr"].rsplit(":", 1)[1]), int(f["laddr"].rsplit(":", 1)[1]), f
 
 
 def redis_clients(redis, pids):
@@ -1062,14 +1073,13 @@ def redis_clients(redis, pids):
     ports = {}
     for pid in pids:
         try:
-            for port in backend_tcp_ports(pid):
-                ports[port] = pid
+            for link in backend_tcp_ports(pid):
+                ports[link] = pid
         except OSError:  # the process is gone
             continue
     out = {}
-    for line in redis.command("CLIENT", "LIST").splitlines():
-        f = dict(p.split("=", 1) for p in line.split() if "=" in p)
-        pid = ports.get(int(f["addr"].rsplit(":", 1)[1]))
+    for client, server, _ in client_ports(redis):
+        pid = ports.get((client, server))
         if pid is not None:
             out[pid] = out.get(pid, 0) + 1
     return out

@@ -43,7 +43,7 @@ import psycopg.errors
 import pytest
 from psycopg import sql
 
-from conftest import (fixed_units, QueryThread, backend_tcp_ports, free_port, new_ident, pg_connect, rl_key,
+from conftest import (fixed_units, QueryThread, backend_tcp_ports, client_ports, free_port, new_ident, pg_connect, rl_key,
                       set_gucs, use_redis, vm_hwm_kb)
 from test_faults import wait_until_active
 from test_stats import stats_row
@@ -186,13 +186,9 @@ def error_count(server, prefix):
 
 
 def clients_from(node, ports):
-    """The clients of a Redis node whose address is 127.0.0.1:<one of ports>."""
-    out = []
-    for line in node.command("CLIENT", "LIST").splitlines():
-        f = dict(p.split("=", 1) for p in line.split() if "=" in p)
-        if int(f["addr"].rsplit(":", 1)[1]) in ports:
-            out.append(f)
-    return out
+    """The CLIENT LIST fields of a Redis node's clients that are connections
+    of ports (backend_tcp_ports)."""
+    return [f for client, server, f in client_ports(node) if (client, server) in ports]
 
 
 @pytest.fixture
