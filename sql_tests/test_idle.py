@@ -13,6 +13,9 @@ import pytest
 from conftest import new_ident, pg_connect, set_gucs
 
 TIMEOUT_MS = 300
+# The fixed windows here are 3153600000000 ms (a century, aligned on the
+# epoch): a count read twice in a test never straddles a window's end (a
+# 10-minute window ended during a run once, and its keys expired).
 
 
 def clients(redis):
@@ -39,7 +42,7 @@ def test_idle_connection_is_closed_and_reopened(redis_factory):
     try:
         set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=TIMEOUT_MS)
         identity = new_ident("idle")
-        q = "SELECT rl_fixed_allow(%s, 100, 600000)"
+        q = "SELECT rl_fixed_allow(%s, 100, 3153600000000)"
         calls = 0
         # busy within the timeout: the same connection. Each idle gap is
         # bounded from above by the time from sending one call to the answer
@@ -69,7 +72,7 @@ def test_idle_connection_is_closed_and_reopened(redis_factory):
         assert closed - sent >= TIMEOUT_MS / 1000.0, closed - sent
         assert clients(redis) == []
         # the next call connects again, and the count went on
-        assert conn.execute("SELECT (rl_fixed(%s, 100, 600000)).remaining",
+        assert conn.execute("SELECT (rl_fixed(%s, 100, 3153600000000)).remaining",
                             (identity,)).fetchone()[0] == 100 - calls - 1
         second = clients(redis)
         assert len(second) == 1 and second != first
@@ -84,7 +87,7 @@ def test_no_idle_timeout_keeps_the_connection(redis_factory):
     conn = pg_connect()
     try:
         set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0)
-        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("keep"),)).fetchone()[0]
+        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 3153600000000)", (new_ident("keep"),)).fetchone()[0]
         first = clients(redis)
         time.sleep(2 * TIMEOUT_MS / 1000.0)
         assert clients(redis) == first and len(first) == 1
@@ -103,7 +106,7 @@ def test_a_long_transaction_is_not_idle(redis_factory):
                  refund_on_abort="all")
         conn.commit()
         identity = new_ident("long")
-        q = "SELECT (rl_fixed(%s, 10, 600000)).remaining"
+        q = "SELECT (rl_fixed(%s, 10, 3153600000000)).remaining"
         assert conn.execute(q, (identity,)).fetchone()[0] == 9
         first = clients(redis)
         conn.execute("SELECT pg_sleep(0.5)")
@@ -111,7 +114,7 @@ def test_a_long_transaction_is_not_idle(redis_factory):
         assert conn.execute(q, (identity,)).fetchone()[0] == 8
         conn.rollback()  # gives both back
         conn.execute("SELECT 1")
-        assert conn.execute("SELECT (rl_fixed(%s, 10, 600000, 0)).remaining", (identity,)).fetchone()[0] == 10
+        assert conn.execute("SELECT (rl_fixed(%s, 10, 3153600000000, 0)).remaining", (identity,)).fetchone()[0] == 10
         conn.rollback()
     finally:
         conn.close()
@@ -126,7 +129,7 @@ def test_other_transactions_do_not_keep_it_open(redis_factory):
     try:
         set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, idle_timeout=TIMEOUT_MS)
         sent = time.monotonic()
-        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("busy"),)).fetchone()[0]
+        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 3153600000000)", (new_ident("busy"),)).fetchone()[0]
         assert len(clients(redis)) == 1
         closed = wait_until_closed(redis, busy=lambda: conn.execute("SELECT 1"))
         assert closed - sent >= TIMEOUT_MS / 1000.0, closed - sent
@@ -134,7 +137,7 @@ def test_other_transactions_do_not_keep_it_open(redis_factory):
         assert conn.execute("SELECT state FROM rl_redis_connections()").fetchall() == [("closed",)]
         # turned off: the next idle period keeps it (twice the old timeout)
         set_gucs(conn, idle_timeout=0)
-        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 600000)", (new_ident("busy"),)).fetchone()[0]
+        assert conn.execute("SELECT rl_fixed_allow(%s, 10, 3153600000000)", (new_ident("busy"),)).fetchone()[0]
         time.sleep(2 * TIMEOUT_MS / 1000.0)
         assert len(clients(redis)) == 1
     finally:
@@ -161,7 +164,7 @@ def test_disconnect_closes_what_carries_no_work(redis_factory):
     try:
         set_gucs(conn, host="127.0.0.1", port=redis.port, retry_interval=0, xact_end_budget=200)
         identity = new_ident("disconnect")
-        q = "SELECT rl_fixed_allow(%s, 2, 600000)"
+        q = "SELECT rl_fixed_allow(%s, 2, 3153600000000)"
         disconnect = "SELECT rl_redis_disconnect()"
         assert conn.execute(disconnect).fetchone()[0] == 0  # none yet
         assert conn.execute(q, (identity,)).fetchone()[0] is True
