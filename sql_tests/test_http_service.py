@@ -789,6 +789,9 @@ def test_shadow_policy_would_be_denial_is_200_with_enforcing_headers(service, po
     policy = policies("fixed", 2, 60000, mode="shadow")
 
     def run():
+        # same_fixed_window may run this again: each run starts in shadow mode
+        with pg_connect() as conn:
+            conn.execute("UPDATE rl_policy SET mode = 'shadow' WHERE name = %s", (policy,))
         identity = new_ident("http-shadow")
         got = [service.post(POLICY, {"identity": identity, "policy": policy}) for _ in range(3)]
         with pg_connect() as conn:
