@@ -881,6 +881,38 @@ def initdb_template():
     return datadir
 
 
+def pg_ctl_start(datadir, logfile):
+    """Starts the PostgreSQL cluster in datadir with pg_ctl (under valgrind in
+    sql_tests/valgrind.sh's run, which takes longer)."""
+    wrap = ["-p", VALGRIND_POSTGRES, "-t", "600"] if VALGRIND_POSTGRES else ["-t", "120"]
+    subprocess.run(
+        as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", datadir, "-l", logfile, "-w"]
+                 + wrap + ["start"]),
+        check=True, capture_output=True, timeout=660 if VALGRIND_POSTGRES else 150,
+    )
+
+
+def start_on_free_port(datadir, logfile, conffile, port):
+    """Starts the cluster in datadir, whose conffile sets port; a port somebody
+    took since free_port() (the log says it could not bind) is replaced by
+    another, written to conffile, twice at most. Returns the port it runs on.
+    When it cannot start, the error ends with the server log's last lines (the
+    log goes with the temporary folder)."""
+    for attempt in range(3):
+        try:
+            pg_ctl_start(datadir, logfile)
+            return port
+        except subprocess.CalledProcessError as e:
+            with open(logfile, errors="replace") as f:
+                log = f.read()
+            if attempt == 2 or "could not create any TCP/IP sockets" not in log:
+                raise RuntimeError("pg_ctl could not start %s; its log ends:\n%s"
+                                   % (datadir, log[-3000:])) from e
+            port = free_port()
+            with open(conffile, "a") as f:
+                f.write("port = %d\n" % port)
+
+
 class PgServer:
     """A throwaway PostgreSQL in a folder of its own under RL_DIR: the one
     way the tests start a server other than run_tests.sh's. It preloads
@@ -920,29 +952,14 @@ class PgServer:
             raise
 
     def _first_start(self):
-        """Starts the server; a port somebody took since free_port() (the log
-        says it could not bind) is replaced by another, twice at most."""
-        for attempt in range(3):
-            try:
-                return self.start()
-            except subprocess.CalledProcessError:
-                with open(self.logfile, errors="replace") as f:
-                    taken = "could not create any TCP/IP sockets" in f.read()
-                if attempt == 2 or not taken:
-                    raise
-                self.port = free_port()
-                with open(os.path.join(self.datadir, "postgresql.conf"), "a") as f:
-                    f.write("port = %d\n" % self.port)
+        """Starts the server, on another port if its own was taken (see
+        start_on_free_port)."""
+        self.port = start_on_free_port(self.datadir, self.logfile,
+                                       os.path.join(self.datadir, "postgresql.conf"), self.port)
 
     def start(self):
-        """Starts the server (under valgrind in sql_tests/valgrind.sh's run,
-        which takes longer)."""
-        wrap = ["-p", VALGRIND_POSTGRES, "-t", "600"] if VALGRIND_POSTGRES else ["-t", "60"]
-        subprocess.run(
-            as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", self.datadir, "-l", self.logfile,
-                      "-w"] + wrap + ["start"]),
-            check=True, capture_output=True, timeout=660 if VALGRIND_POSTGRES else 90,
-        )
+        """Starts the server again after a stop (see pg_ctl_start)."""
+        pg_ctl_start(self.datadir, self.logfile)
 
     def connect(self, user="postgres", **gucs):
         """A new autocommit session (superuser unless user is given), with

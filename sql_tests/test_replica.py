@@ -11,7 +11,7 @@ import uuid
 import psycopg
 import pytest
 
-from conftest import PGBIN, as_owner, free_port, new_ident, pg_connect
+from conftest import PGBIN, as_owner, free_port, new_ident, pg_connect, start_on_free_port
 
 # one replica for the module's tests, on one xdist worker
 pytestmark = pytest.mark.xdist_group("replica")
@@ -30,14 +30,10 @@ def replica():
         ]),
         check=True, capture_output=True, timeout=120,
     )
-    with open(os.path.join(datadir, "postgresql.auto.conf"), "a") as f:
+    conf = os.path.join(datadir, "postgresql.auto.conf")
+    with open(conf, "a") as f:
         f.write("port = %d\n" % port)
-    log = datadir + ".log"
-    subprocess.run(
-        as_owner([os.path.join(PGBIN, "pg_ctl"), "-D", datadir, "-l", log,
-                  "-w", "-t", "120", "start"]),
-        check=True, capture_output=True, timeout=180,
-    )
+    port = start_on_free_port(datadir, datadir + ".log", conf, port)
     try:
         yield port
     finally:
