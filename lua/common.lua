@@ -20,8 +20,8 @@
 --   refund(key, p, now, r) undoes what a rolled-back (sub)transaction took
 --     and still counts; r = {idx, units, prev, epoch, first, scope,
 --     parents} (see run_refund.lua).
--- p = {lim, window_ms, burst, cap}: burst is 0 when not given, cap is the
--- burst or lim. now is Redis's clock (or the test clock) in microseconds.
+-- p = {lim, window_ms, cap} (see limit): cap is the burst, or lim when
+-- none is given. now is Redis's clock (or the test clock) in microseconds.
 -- scopes is the list of refund scopes the charge belongs to, outermost
 -- first (empty: none).
 --
@@ -29,7 +29,10 @@
 -- years, cap * window_ms / lim <= 100 years. Every time computed here is
 -- then below 2^53 µs, so a double holds it exactly, and every expiry fits
 -- PEXPIRE. Nothing below can fail after its first write, and the expiry is
--- the last write of each key.
+-- the last write of each key. Numbers go to redis.call as Lua numbers:
+-- Redis writes an integral one below 2^53 as an integer and any other with
+-- the digits that read back exactly (%.17g; 7.2 and later, the shortest
+-- such form), so only numbers joined into a string need formatting here.
 local ALG = {}
 
 -- Whether this call runs on the test clock (rl_redis.test_clock_ms).
@@ -51,8 +54,13 @@ local TEST_CLOCK_MIN_TTL_MS = 10000
 -- Redis's own clock in microseconds as this call read it (nil until then).
 local redis_now = nil
 
--- Redis's own clock in microseconds: TIME, read once per call.
-local function redis_clock()
+-- Redis's own clock in microseconds (TIME, the one read of it in a call):
+-- the clock of the decisions off the test clock, and the epoch of the keys
+-- the call makes, a number that tells one life of a key from the next (a
+-- key deleted by FLUSHALL, eviction or rl_reset and made again), unique as
+-- no two scripts run in the same microsecond and no script makes a key
+-- twice.
+local function new_epoch()
   if not redis_now then
     local t = redis.call('TIME')
     redis_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -66,7 +74,7 @@ local function clock_us(test_now)
     on_test_clock = true
     return tonumber(test_now)
   end
-  return redis_clock()
+  return new_epoch()
 end
 
 -- Microseconds as whole milliseconds, rounded up; the slack keeps
@@ -102,14 +110,6 @@ local function from_clock(result, real)
   return result
 end
 
--- A number as Redis should store it: integral values without an exponent.
-local function num(x)
-  if x == math.floor(x) then
-    return string.format('%.0f', x)
-  end
-  return string.format('%.17g', x)
-end
-
 -- Splits "a,b,c" into {"a", "b", "c"}; "" gives {}.
 local function split(s)
   local out = {}
@@ -129,21 +129,16 @@ local function ttl_ms(ttl, now, real)
   return math.max(ttl + math.ceil((now - real) / 1000), least)
 end
 
--- Sets key's expiry to ttl ms counted from now (see ttl_ms).
-local function expire(key, ttl, now, real)
-  redis.call('PEXPIRE', key, ttl_ms(ttl, now, real))
-end
-
--- A number that tells one life of a key from the next (a key deleted by
--- FLUSHALL, eviction or rl_reset and made again): Redis's own clock in µs
--- when it was made, unique as no two scripts run in the same microsecond
--- and no script makes a key twice.
-local function new_epoch()
-  return redis_clock()
-end
-
 -- Raises the error Redis gives for a key of another type: key holds a
 -- string that is not a state of the layout the caller reads.
 local function wrong_kind()
   error({err = 'WRONGTYPE Operation against a key holding the wrong kind of value'})
+end
+
+-- The limit of a call's arguments (as ARGV gives them; burst "0": none):
+-- lim, window_ms and the capacity cap, the burst or lim.
+local function limit(lim, window_ms, burst)
+  local cap = tonumber(burst)
+  if cap == 0 then cap = tonumber(lim) end
+  return {lim = tonumber(lim), window_ms = tonumber(window_ms), cap = cap}
 end

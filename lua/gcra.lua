@@ -19,8 +19,8 @@ ALG.gcra = {}
 -- when there is none). The expiry is the last write of a call.
 local function gcra_save(key, p, b, now, real)
   if b > 0 then
-    redis.call('HSET', key, 'b', num(b), 'ts', num(now))
-    expire(key, math.max(ms(b), 1), now, real)
+    redis.call('HSET', key, 'b', b, 'ts', now)
+    redis.call('PEXPIRE', key, ttl_ms(math.max(ms(b), 1), now, real))
   else
     redis.call('DEL', key)
   end

@@ -24,6 +24,15 @@ local function records()
   if records_made then return records_made end
   local MAX_SCOPES = 64
 
+  -- A number as a record's text: integral values without an exponent, the
+  -- others with the digits that read back exactly.
+  local function num(x)
+    if x == math.floor(x) then
+      return string.format('%.0f', x)
+    end
+    return string.format('%.17g', x)
+  end
+
   -- Reads the refund records of key: {scope = {owed, last_us, original}}.
   local function records_read(key)
     local recs = {}

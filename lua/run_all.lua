@@ -35,9 +35,7 @@ local all_allowed = true
 local worst, worst_index = nil, 0
 for i = 1, #KEYS do
   local b = 2 + (i - 1) * 6
-  local p = {lim = tonumber(ARGV[b + 2]), window_ms = tonumber(ARGV[b + 3]),
-             burst = tonumber(ARGV[b + 4])}
-  p.cap = p.burst > 0 and p.burst or p.lim
+  local p = limit(ARGV[b + 2], ARGV[b + 3], ARGV[b + 4])
   local result, commit = ALG[ARGV[b + 1]].decide(KEYS[i], p,
     tonumber(ARGV[b + 5]), now, scopes)
   from_clock(result, now)

@@ -10,9 +10,7 @@
 -- error message and six zeros, and nothing is written to it: a decision
 -- fails before its first write or not at all (see common.lua), so the
 -- other keys' decisions stand.
-local p = {lim = tonumber(ARGV[2]), window_ms = tonumber(ARGV[3]),
-           burst = tonumber(ARGV[4])}
-p.cap = p.burst > 0 and p.burst or p.lim
+local p = limit(ARGV[2], ARGV[3], ARGV[4])
 local alg = ALG[ARGV[1]]
 local cost = tonumber(ARGV[5])
 local now = clock_us(ARGV[6])

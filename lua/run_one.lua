@@ -8,9 +8,7 @@
 -- Returns {allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us,
 -- epoch} (epoch: of the key, for the fixed window and the sliding counter;
 -- else 0).
-local p = {lim = tonumber(ARGV[2]), window_ms = tonumber(ARGV[3]),
-           burst = tonumber(ARGV[5])}
-p.cap = p.burst > 0 and p.burst or p.lim
+local p = limit(ARGV[2], ARGV[3], ARGV[5])
 local now = clock_us(ARGV[6])
 dry_run = ARGV[8] == '1'
 local result, commit = ALG[ARGV[1]].decide(KEYS[1], p, tonumber(ARGV[4]),

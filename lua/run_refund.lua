@@ -12,9 +12,7 @@ local now = clock_us(ARGV[1])
 local r = {scope = ARGV[2], parents = split(ARGV[3])}
 for i = 1, #KEYS do
   local b = 3 + (i - 1) * 9
-  local p = {lim = tonumber(ARGV[b + 2]), window_ms = tonumber(ARGV[b + 3]),
-             burst = tonumber(ARGV[b + 4])}
-  p.cap = p.burst > 0 and p.burst or p.lim
+  local p = limit(ARGV[b + 2], ARGV[b + 3], ARGV[b + 4])
   r.idx, r.units, r.prev = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6]),
     tonumber(ARGV[b + 7])
   r.epoch, r.first = tonumber(ARGV[b + 8]), tonumber(ARGV[b + 9])

@@ -10,11 +10,12 @@ ALG.sliding = {}
 -- Drops the units that have left the window (a dry run counts them
 -- instead) and returns now (never earlier than the newest unit), the
 -- number of units in the window and the number of members before them
--- (left in place by a dry run). The key's expiry counts from the newest
--- unit.
+-- (left in place by a dry run); without a key, only its newest member is
+-- asked for. The key's expiry counts from the newest unit.
 local function log_state(key, p, now)
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
-  if newest then now = math.max(now, tonumber(newest)) end
+  if not newest then return now, 0, 0 end
+  now = math.max(now, tonumber(newest))
   local gone = 0
   if dry_run then
     gone = redis.call('ZCOUNT', key, '-inf', now - p.window_ms * 1000)
@@ -65,7 +66,7 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
       local tag = ''
       if #scopes > 0 then tag = '|' .. table.concat(scopes, '|') .. '|' end
       local seq = used
-      local stamp = num(now)
+      local stamp = string.format('%.0f', now)
       local missing = cost
       while missing > 0 do
         local batch = {}
@@ -76,7 +77,7 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
         end
         missing = missing - redis.call('ZADD', key, 'NX', unpack(batch))
       end
-      expire(key, p.window_ms, now, real)
+      redis.call('PEXPIRE', key, ttl_ms(p.window_ms, now, real))
     end
   end
   local retry = -1

@@ -35,8 +35,8 @@ local function bucket_save(key, p, have, now, real)
     redis.call('DEL', key)
   else
     local rate = p.lim / (p.window_ms * 1000)
-    redis.call('HSET', key, 't', num(have), 'ts', num(now))
-    expire(key, math.max(ms((p.cap - have) / rate), 1), now, real)
+    redis.call('HSET', key, 't', have, 'ts', now)
+    redis.call('PEXPIRE', key, ttl_ms(math.max(ms((p.cap - have) / rate), 1), now, real))
   end
 end
 
