@@ -1,36 +1,56 @@
 -- Fixed window counter.
--- State: a string of FIXED_BYTES bytes, struct FIXED_FORMAT: n = units used
--- in the window, w = the window's number, e = the key's epoch (see
--- new_epoch) and l = the lim it was last written under. Windows are
--- numbered floor(now / window_ms) on the clock; a call in a later window
--- starts from zero, and a call whose clock is in an earlier one (the clock
--- stepped back) is decided in window w: a step back cannot reopen a window.
--- The key expires at its window's end (on Redis's clock: later by the step
--- back). A rolled-back charge gives back its units while their window is
--- current, the key is the one they were taken from and its state was last
--- written under the charge's lim (a policy keeps its key when its lim
--- changes, and shares it with another database's policy of the same name
--- and window: their units cannot be told apart).
+-- State: a packed string (Lua struct, little-endian unsigned integers) in
+-- one of two forms, told apart by its length:
+--   2k + 7 bytes (9, 11, 13, 15)    n, l (k bytes each), e (7 bytes)
+--   2k + 14 bytes (16, 18, 20, 22)  n, l, e, w (7 bytes), the test-clock form
+-- n = units used in the window, l = the lim it was last written under (for
+-- refunds), in the fewest bytes k (1 to 4) that hold both (n can exceed l
+-- after a change of lim and an administrator's refund); e = the key's epoch
+-- (see new_epoch), made anew for each window; w = the window's number.
+-- Windows are numbered floor(now / window_ms) on the clock. The epoch is
+-- Redis's clock when the window's state was made, so on that clock it lies
+-- in the window itself (a clock step back keeps the epoch, see below) and
+-- the window's number is floor(e / (window_ms * 1000)); on the test clock
+-- (rl_redis.test_clock_ms) it is not, and the state holds the number too.
+-- A state is written in the short form exactly when its epoch gives its
+-- window's number. A call in a later window starts from zero, and a call
+-- whose clock is in an earlier one (the clock stepped back) is decided in
+-- window w: a step back cannot reopen a window. The key expires at its
+-- window's end (on Redis's clock: later by the step back). A rolled-back
+-- charge gives back its units while their window is current, the key's
+-- epoch is the one they were taken under and its state was last written
+-- under the charge's lim (a policy keeps its key when its lim changes, and
+-- shares it with another database's policy of the same name and window:
+-- their units cannot be told apart).
 -- (Release 1.5 and before kept a hash under the kind "fixed"; keys of kind
 -- "fixed.2" hold this layout only.)
 ALG.fixed = {}
 
-local FIXED_FORMAT = '<I4I7I7I4'
-local FIXED_BYTES = 22
+-- The struct format of a state whose counts take k bytes, short form (the
+-- test-clock form appends I7).
+local FIXED_FORMATS = {'<I1I1I7', '<I2I2I7', '<I3I3I7', '<I4I4I7'}
 
 -- The window of now: its number and ms left, the units used in it, the
--- key's epoch and the lim its state was written under (nil, nil
--- without a key). now is never earlier than the start of window w.
+-- key's epoch and the lim its state was written under (nil, nil when
+-- there is no key or its state is of an earlier window). now is never
+-- earlier than the start of the state's window.
 local function fixed_state(key, p, now)
   local v = redis.call('GET', key)
   local wus = p.window_ms * 1000
   local used, epoch, lim = 0, nil, nil
   if v then
-    if #v ~= FIXED_BYTES then wrong_kind() end
+    local short = #v % 2 == 1
+    local k = short and (#v - 7) / 2 or (#v - 14) / 2
+    if k < 1 or k > 4 then wrong_kind() end
     local w
-    used, w, epoch, lim = struct.unpack(FIXED_FORMAT, v)
+    if short then
+      used, lim, epoch = struct.unpack(FIXED_FORMATS[k], v)
+      w = math.floor(epoch / wus)
+    else
+      used, lim, epoch, w = struct.unpack(FIXED_FORMATS[k] .. 'I7', v)
+    end
     now = math.max(now, w * wus)
-    if math.floor(now / wus) ~= w then used = 0 end
+    if math.floor(now / wus) ~= w then used, epoch, lim = 0, nil, nil end
   end
   local idx = math.floor(now / wus)
   return now, idx, math.ceil((idx + 1) * p.window_ms - now / 1000), used,
@@ -38,12 +58,22 @@ local function fixed_state(key, p, now)
 end
 
 -- Writes n units for window idx (or deletes the key when none are left),
--- with its expiry; returns the key's epoch (a new one when the key is made).
+-- with its expiry; returns the key's epoch (a new one when the window's
+-- state is made).
 local function fixed_save(key, p, idx, left, n, now, real, epoch)
   if n > 0 then
     epoch = epoch or new_epoch()
-    redis.call('SET', key, struct.pack(FIXED_FORMAT, n, idx, epoch, p.lim),
-               'PX', ttl_ms(left, now, real))
+    local high = math.max(n, p.lim)
+    local k = 4
+    if high < 256 then k = 1 elseif high < 65536 then k = 2
+    elseif high < 16777216 then k = 3 end
+    local v
+    if math.floor(epoch / (p.window_ms * 1000)) == idx then
+      v = struct.pack(FIXED_FORMATS[k], n, p.lim, epoch)
+    else
+      v = struct.pack(FIXED_FORMATS[k] .. 'I7', n, p.lim, epoch, idx)
+    end
+    redis.call('SET', key, v, 'PX', ttl_ms(left, now, real))
   else
     redis.call('DEL', key)
   end

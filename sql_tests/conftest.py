@@ -37,7 +37,6 @@ import resource
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import tempfile
 import threading
@@ -293,12 +292,27 @@ def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=Non
     return key
 
 
+def fixed_state(state):
+    """A fixed window's state (the GET reply of its key) unpacked, as
+    lua/fixed_window.lua packs it: (units, lim, epoch, window number or
+    None when the state leaves it out), or None when there is no key."""
+    if state is None:
+        return None
+    raw = state.encode(errors="surrogateescape")
+    short = len(raw) % 2 == 1
+    k = (len(raw) - (7 if short else 14)) // 2
+    assert 1 <= k <= 4, "a fixed window's state of %d bytes" % len(raw)
+    fields = [int.from_bytes(raw[i:i + n], "little")
+              for i, n in zip((0, k, 2 * k, 2 * k + 7), (k, k, 7, 7))]
+    return tuple(fields[:3]) + ((None,) if short else (fields[3],))
+
+
 def fixed_units(state):
     """The units a fixed window's state holds (the GET reply of its key: see
     lua/fixed_window.lua), as a string, or None when there is no key."""
     if state is None:
         return None
-    return str(struct.unpack_from("<I", state.encode(errors="surrogateescape"))[0])
+    return str(fixed_state(state)[0])
 
 
 def same_fixed_window(redis, window_ms, body, attempts=4):
