@@ -1,8 +1,11 @@
 -- Sliding window counter (two-window approximation).
 -- State: a string of COUNTER_BYTES bytes, struct COUNTER_FORMAT: c = units
--- used in window w, p = units used in the window before, w = the window's
--- number, ts = the latest clock a call used (µs), e = the key's epoch (see
--- new_epoch) and l = the lim it was last written under. The estimate of the
+-- used in window w, p = units used in the window before, ts = the latest
+-- clock a call used (µs), e = the key's epoch (see new_epoch) and l = the lim
+-- it was last written under. Windows are numbered floor(now / window_ms) on
+-- the clock; w, the number of the window the state was written in, is that
+-- of ts (every write is stamped with the clock it decided on), so the state
+-- leaves it out. The estimate of the
 -- last window_ms is p weighted by how much of the previous window still
 -- overlaps it, plus c. O(1) memory; exact when the previous window's units
 -- were spread evenly. The key expires when both windows have passed.
@@ -14,8 +17,8 @@
 -- keys of kind "sliding_counter.2" hold this layout only.)
 ALG.sliding_counter = {}
 
-local COUNTER_FORMAT = '<I4I4I7I7I7I4'
-local COUNTER_BYTES = 33
+local COUNTER_FORMAT = '<I4I4I7I7I4'
+local COUNTER_BYTES = 26
 
 -- Reads the key as of now (never earlier than ts): the window's number and
 -- start (ms), the current and previous counts, the key's epoch and the lim
@@ -23,12 +26,13 @@ local COUNTER_BYTES = 33
 local function counter_state(key, p, now)
   local v = redis.call('GET', key)
   local W = p.window_ms
-  local c, prev, w, epoch, lim = 0, 0, nil, nil, nil
+  local c, prev, epoch, lim = 0, 0, nil, nil
   if v then
     if #v ~= COUNTER_BYTES then wrong_kind() end
     local sc, sp, ts
-    sc, sp, w, ts, epoch, lim = struct.unpack(COUNTER_FORMAT, v)
+    sc, sp, ts, epoch, lim = struct.unpack(COUNTER_FORMAT, v)
     now = math.max(now, ts)
+    local w = math.floor(ts / (W * 1000))
     local idx = math.floor(now / (W * 1000))
     if w == idx then
       c, prev = sc, sp
@@ -40,12 +44,13 @@ local function counter_state(key, p, now)
   return now, idx, idx * W, c, prev, epoch, lim
 end
 
--- Writes the counts (or deletes the key when both are zero), with its
--- expiry; returns the key's epoch (a new one when the key is made).
-local function counter_save(key, p, idx, start, c, prev, now, real, epoch)
+-- Writes the counts of the window that starts at start (ms) and holds now
+-- (or deletes the key when both are zero), with its expiry; returns the
+-- key's epoch (a new one when the key is made).
+local function counter_save(key, p, start, c, prev, now, real, epoch)
   if c > 0 or prev > 0 then
     epoch = epoch or new_epoch()
-    redis.call('SET', key, struct.pack(COUNTER_FORMAT, c, prev, idx, now, epoch, p.lim),
+    redis.call('SET', key, struct.pack(COUNTER_FORMAT, c, prev, now, epoch, p.lim),
                'PX', ttl_ms(math.ceil(start + 2 * p.window_ms - now / 1000), now, real))
   else
     redis.call('DEL', key)
@@ -54,7 +59,7 @@ local function counter_save(key, p, idx, start, c, prev, now, real, epoch)
 end
 
 ALG.sliding_counter.decide = function(key, p, cost, real)
-  local now, idx, start, c, prev, epoch = counter_state(key, p, real)
+  local now, _, start, c, prev, epoch = counter_state(key, p, real)
   local lim, W = p.lim, p.window_ms
   local left = start + W - now / 1000     -- ms until the current window ends
 
@@ -79,7 +84,7 @@ ALG.sliding_counter.decide = function(key, p, cost, real)
   end
   local function save(cur, r)
     return function()
-      r[7] = counter_save(key, p, idx, start, cur, prev, now, real, epoch) or 0
+      r[7] = counter_save(key, p, start, cur, prev, now, real, epoch) or 0
     end
   end
 
@@ -122,5 +127,5 @@ ALG.sliding_counter.refund = function(key, p, real, r)
   else
     return
   end
-  counter_save(key, p, idx, start, c, prev, now, real, epoch)
+  counter_save(key, p, start, c, prev, now, real, epoch)
 end

@@ -1,5 +1,6 @@
-"""The packed state of the fixed window (fixed.2), byte for byte
-(lua/fixed_window.lua; README, "Key layout in Redis").
+"""The packed states of the fixed window (fixed.2) and the sliding-window
+counter (sliding_counter.2), byte for byte (lua/fixed_window.lua,
+lua/sliding_counter.lua; README, "Key layout in Redis").
 
 A fixed window's state is n and l in k bytes each (k = 1 to 4, the fewest
 that hold both), then the key's epoch in 7: 9 to 15 bytes, an odd length.
@@ -7,6 +8,8 @@ The epoch is Redis's clock when the window's state was made, so on Redis's
 clock the window's number is floor(epoch / window_us); on the test clock it
 is not, and the state holds the window's number too (7 more bytes: 16 to 22,
 an even length). Any other length is not a fixed window's state: WRONGTYPE.
+A sliding counter's state is 26 bytes: its window's number is that of its
+clock stamp ts.
 
 The real-clock tests use a window of 10^12 ms (window 1 runs from 2001-09-09
 to 2033-05-18), so no window ends while they run.
@@ -42,6 +45,14 @@ def fixed(pg, identity, lim, window_ms, cost=1):
     """rl_fixed(...) as (allowed, remaining)."""
     return pg.execute("SELECT allowed, remaining FROM rl_fixed(%s, %s, %s, %s)",
                       (identity, lim, window_ms, cost)).fetchone()
+
+
+def counter_state(redis, key):
+    """A sliding counter's state: (c, p, ts, epoch, lim) and its length."""
+    b = raw(redis, key)
+    fields = [int.from_bytes(b[i:i + n], "little")
+              for i, n in ((0, 4), (4, 4), (8, 7), (15, 7), (22, 4))]
+    return tuple(fields), len(b)
 
 
 @pytest.fixture
@@ -195,5 +206,51 @@ def test_fixed_state_of_another_length_is_wrongtype(pg, shared_redis, length):
     assert err.value.sqlstate == "08000"
     assert err.value.diag.message_detail.startswith(
         "WRONGTYPE Operation against a key holding the wrong kind of value"), err.value.diag.message_detail
+    assert shared_redis.command("GET", key) == "x" * length
+    shared_redis.command("DEL", key)
+
+
+def test_sliding_counter_state_is_26_bytes(pg, shared_redis):
+    """c, p, ts, epoch and l: the window's number is that of ts, on Redis's
+    clock and on the test clock; the next window's call finds the counts
+    moved to the previous window."""
+    identity = new_ident("packed_counter")
+    key = rl_key("sliding_counter", identity, lim=5, window_ms=HUGE_WINDOW_MS)
+    before = redis_us(shared_redis)
+    pg.execute("SELECT rl_sliding_counter(%s, 5, %s, 2)", (identity, HUGE_WINDOW_MS))
+    after = redis_us(shared_redis)
+    (c, p, ts, epoch, l), length = counter_state(shared_redis, key)
+    assert (c, p, l, length) == (2, 0, 5, 26)
+    assert before <= ts == epoch <= after
+    shared_redis.command("DEL", key)
+
+    key = rl_key("sliding_counter", identity, lim=5, window_ms=60000)
+    set_gucs(pg, test_clock_ms=BASE_CLOCK_MS + 30000)
+    before = redis_us(shared_redis)
+    assert pg.execute("SELECT allowed, remaining FROM rl_sliding_counter(%s, 5, 60000)",
+                      (identity,)).fetchone() == (True, 4)
+    after = redis_us(shared_redis)
+    (c, p, ts, epoch, l), length = counter_state(shared_redis, key)
+    assert (c, p, ts, l, length) == (1, 0, (BASE_CLOCK_MS + 30000) * 1000, 5, 26)
+    assert before <= epoch <= after
+    # the next window, 30 s in: the previous count weighs half
+    set_gucs(pg, test_clock_ms=BASE_CLOCK_MS + 90000)
+    assert pg.execute("SELECT allowed, remaining FROM rl_sliding_counter(%s, 5, 60000)",
+                      (identity,)).fetchone() == (True, 3)
+    assert counter_state(shared_redis, key) == ((1, 1, (BASE_CLOCK_MS + 90000) * 1000, epoch, 5), 26)
+    shared_redis.command("DEL", key)
+
+
+@pytest.mark.parametrize("length", [22, 25, 27, 33])
+def test_sliding_counter_state_of_another_length_is_wrongtype(pg, shared_redis, length):
+    """A string of any other length than 26 is not read: WRONGTYPE, and it
+    stays."""
+    identity = new_ident("packed_counter_wrong")
+    key = rl_key("sliding_counter", identity, lim=5, window_ms=60000)
+    shared_redis.command("SET", key, "x" * length, "PX", "600000")
+    with pytest.raises(psycopg.errors.ConnectionException) as err:
+        pg.execute("SELECT rl_sliding_counter(%s, 5, 60000)", (identity,))
+    assert err.value.sqlstate == "08000"
+    assert err.value.diag.message_detail.startswith("WRONGTYPE "), err.value.diag.message_detail
     assert shared_redis.command("GET", key) == "x" * length
     shared_redis.command("DEL", key)
