@@ -12,11 +12,13 @@
 --             the clock the call was decided on (µs: now, or later when the
 --             key's state is stamped later), epoch the key's (new_epoch;
 --             0 for the algorithms that do not need one)
---     commit  a function that writes the new state, or nil when there is
---             nothing to write; the caller runs it only when it applies
---             the call
+--     commit  nil, as decide writes the new state of a call it allows
+--             itself (nothing in a dry run); but when the main part
+--             applies the calls itself (deferred), a function that writes
+--             it, or nil when there is nothing to write, run only when the
+--             call is applied (see apply)
 --   cost < 0 gives -cost units back at once (an administrator's refund);
---   its result is always allowed and its commit always runs.
+--   it is always allowed and applied.
 --   refund(key, p, now, r) undoes what a rolled-back (sub)transaction took
 --     and still counts; r = {idx, units, prev, epoch, first, scope,
 --     parents} (see run_refund.lua).
@@ -39,9 +41,14 @@ local ALG = {}
 local on_test_clock = false
 
 -- Whether this call is a dry run (rl_inspect), set by the main part: it is
--- decided as usual, and nothing is written (the caller runs no commit, and
--- what a decide writes before its commit it skips).
+-- decided as usual, and nothing is written (see apply; what a decide
+-- writes before, it skips).
 local dry_run = false
+
+-- Whether the main part applies the calls itself, once all are decided
+-- (run_all.lua: all limits or none): decide then returns a commit function
+-- instead of writing.
+local deferred = false
 
 -- Real milliseconds that a key written on the test clock lives at least:
 -- that clock stands still between a test's calls while Redis's expiry
@@ -141,4 +148,16 @@ local function limit(lim, window_ms, burst)
   local cap = tonumber(burst)
   if cap == 0 then cap = tonumber(lim) end
   return {lim = tonumber(lim), window_ms = tonumber(window_ms), cap = cap}
+end
+
+-- What decide does with a call it allows: write(...) at once (nothing in a
+-- dry run), and no commit; or, for a main part that applies the calls
+-- itself (deferred), a commit function that does it.
+local function apply(write, ...)
+  if deferred then
+    local n, args = select('#', ...), {...}
+    return function() write(unpack(args, 1, n)) end
+  end
+  if not dry_run then write(...) end
+  return nil
 end

@@ -80,6 +80,12 @@ local function fixed_save(key, p, idx, left, n, now, real, epoch)
   return epoch
 end
 
+-- Writes an allowed call's n units (see fixed_save) and puts the key's
+-- epoch in its result r.
+local function fixed_apply(r, key, p, idx, left, n, now, real, epoch)
+  r[7] = fixed_save(key, p, idx, left, n, now, real, epoch) or 0
+end
+
 ALG.fixed.decide = function(key, p, cost, real)
   local now, idx, left, used, epoch = fixed_state(key, p, real)
   local lim = p.lim
@@ -98,9 +104,7 @@ ALG.fixed.decide = function(key, p, cost, real)
   if n > 0 then reset = left end
   local r = {1, lim, math.max(lim - n, 0), reset, 0, now, epoch or 0}
   if cost == 0 then return r, nil end
-  return r, function()
-    r[7] = fixed_save(key, p, idx, left, n, now, real, epoch) or 0
-  end
+  return r, apply(fixed_apply, r, key, p, idx, left, n, now, real, epoch)
 end
 
 ALG.fixed.refund = function(key, p, real, r)

@@ -45,6 +45,29 @@ local function gcra_state(key, p, now)
   return now, math.max(tonumber(state[1]) - (now - ts), 0), tonumber(state[3]) or 0
 end
 
+-- Writes the key after an allowed call of cost units of interval µs that
+-- found backlog and nrec refund records and leaves backlog b: the records,
+-- then the backlog (see gcra_save).
+local function gcra_apply(key, p, cost, scopes, interval, backlog, b, nrec, now, real)
+  if cost < 0 and b > 0 and nrec > 0 then
+    local R = records()
+    local recs = R.read(key)
+    R.lower(recs, b)
+    R.write(key, recs)
+  elseif cost > 0 and (nrec > 0 or #scopes > 0) then
+    local R = records()
+    local recs = {}
+    if nrec > 0 then
+      recs = R.read(key)
+      R.lower(recs, backlog)
+    end
+    R.add(recs, scopes, cost * interval, now)
+    R.lower(recs, b)
+    R.write(key, recs)
+  end
+  gcra_save(key, p, b, now, real)
+end
+
 ALG.gcra.decide = function(key, p, cost, real, scopes)
   local now, backlog, nrec = gcra_state(key, p, real)
   local cap = p.cap
@@ -71,25 +94,7 @@ ALG.gcra.decide = function(key, p, cost, real, scopes)
   local result = {1, cap, math.max(math.floor(cap - b / interval + eps), 0),
                   ms(b), 0, now, 0}
   if cost == 0 then return result, nil end
-  return result, function()
-    if cost < 0 and b > 0 and nrec > 0 then
-      local R = records()
-      local recs = R.read(key)
-      R.lower(recs, b)
-      R.write(key, recs)
-    elseif cost > 0 and (nrec > 0 or #scopes > 0) then
-      local R = records()
-      local recs = {}
-      if nrec > 0 then
-        recs = R.read(key)
-        R.lower(recs, backlog)
-      end
-      R.add(recs, scopes, cost * interval, now)
-      R.lower(recs, b)
-      R.write(key, recs)
-    end
-    gcra_save(key, p, b, now, real)
-  end
+  return result, apply(gcra_apply, key, p, cost, scopes, interval, backlog, b, nrec, now, real)
 end
 
 ALG.gcra.refund = function(key, p, real, r)

@@ -26,6 +26,7 @@ local function tighter(a, b)
   return a[4] > b[4]
 end
 
+deferred = true
 local now = clock_us(ARGV[1])
 local scopes = split(ARGV[2])
 local commits = {}

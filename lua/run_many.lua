@@ -18,11 +18,8 @@ local scopes = split(ARGV[7])
 local reply = {}
 for i = 1, #KEYS do
   local b = (i - 1) * 7
-  local ok, result, commit = pcall(alg.decide, KEYS[i], p, cost, now, scopes)
+  local ok, result = pcall(alg.decide, KEYS[i], p, cost, now, scopes)
   if ok then
-    if result[1] == 1 and commit then
-      commit()
-    end
     from_clock(result, now)
     for j = 1, 7 do
       reply[b + j] = result[j]

@@ -58,6 +58,12 @@ local function counter_save(key, p, start, c, prev, now, real, epoch)
   return epoch
 end
 
+-- Writes an allowed call's counts (see counter_save) and puts the key's
+-- epoch in its result r.
+local function counter_apply(r, key, p, start, c, prev, now, real, epoch)
+  r[7] = counter_save(key, p, start, c, prev, now, real, epoch) or 0
+end
+
 ALG.sliding_counter.decide = function(key, p, cost, real)
   local now, _, start, c, prev, epoch = counter_state(key, p, real)
   local lim, W = p.lim, p.window_ms
@@ -82,22 +88,16 @@ ALG.sliding_counter.decide = function(key, p, cost, real)
     return {allowed, lim, math.max(math.floor(lim - estimate_at(now, cur) + 1e-9), 0),
             reset_of(cur), retry, now, epoch or 0}
   end
-  local function save(cur, r)
-    return function()
-      r[7] = counter_save(key, p, start, cur, prev, now, real, epoch) or 0
-    end
-  end
 
   if cost < 0 then
     local cur = math.max(c + cost, 0)
     local r = result(1, cur, 0)
-    return r, save(cur, r)
+    return r, apply(counter_apply, r, key, p, start, cur, prev, now, real, epoch)
   end
   if fits_at(now, cost) then
     local r = result(1, c + cost, 0)
-    local commit = nil
-    if cost > 0 then commit = save(c + cost, r) end
-    return r, commit
+    if cost == 0 then return r, nil end
+    return r, apply(counter_apply, r, key, p, start, c + cost, prev, now, real, epoch)
   end
   local retry = -1
   if cost <= lim then

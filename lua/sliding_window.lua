@@ -25,6 +25,33 @@ local function log_state(key, p, now)
   return now, redis.call('ZCARD', key) - gone, gone
 end
 
+-- Gives back the n newest units.
+local function log_pop(key, n)
+  if n > 0 then redis.call('ZPOPMAX', key, n) end
+end
+
+-- Adds the cost units of a charge taken at now, numbered from seq and
+-- tagged with the charge's refund scopes, and sets the key's expiry.
+local function log_add(key, p, cost, seq, now, real, scopes)
+  -- members must be unique even for many units in one microsecond: add
+  -- them in batches, with more sequence numbers for any that happened to
+  -- exist already
+  local tag = ''
+  if #scopes > 0 then tag = '|' .. table.concat(scopes, '|') .. '|' end
+  local stamp = string.format('%.0f', now)
+  local missing = cost
+  while missing > 0 do
+    local batch = {}
+    for _ = 1, math.min(missing, 500) do
+      batch[#batch + 1] = now
+      batch[#batch + 1] = stamp .. '-' .. seq .. tag
+      seq = seq + 1
+    end
+    missing = missing - redis.call('ZADD', key, 'NX', unpack(batch))
+  end
+  redis.call('PEXPIRE', key, ttl_ms(p.window_ms, now, real))
+end
+
 ALG.sliding.decide = function(key, p, cost, real, scopes)
   local now, used, gone = log_state(key, p, real)
   local lim, window = p.lim, p.window_ms * 1000
@@ -45,40 +72,20 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
     -- give back the newest units
     local n = math.min(-cost, used)
     local after = used - n
-    local commit = function()
-      if n > 0 then redis.call('ZPOPMAX', key, n) end
+    local r = {1, lim, lim, 0, 0, now, 0}
+    if after > 0 then
+      r[3] = math.max(lim - after, 0)
+      r[4] = math.max(ms(tonumber(redis.call('ZRANGE', key, after - 1, after - 1,
+        'WITHSCORES')[2]) + window - now), 1)
     end
-    if after == 0 then
-      return {1, lim, lim, 0, 0, now, 0}, commit
-    end
-    return {1, lim, math.max(lim - after, 0),
-            math.max(ms(tonumber(redis.call('ZRANGE', key, after - 1, after - 1,
-              'WITHSCORES')[2]) + window - now), 1), 0, now, 0}, commit
+    return r, apply(log_pop, key, n)
   end
   if used + cost <= lim then
     if cost == 0 then
       return {1, lim, lim - used, reset_of(used), 0, now, 0}, nil
     end
-    return {1, lim, lim - used - cost, p.window_ms, 0, now, 0}, function()
-      -- members must be unique even for many units in one microsecond:
-      -- add them in batches, with more sequence numbers for any that
-      -- happened to exist already
-      local tag = ''
-      if #scopes > 0 then tag = '|' .. table.concat(scopes, '|') .. '|' end
-      local seq = used
-      local stamp = string.format('%.0f', now)
-      local missing = cost
-      while missing > 0 do
-        local batch = {}
-        for _ = 1, math.min(missing, 500) do
-          batch[#batch + 1] = now
-          batch[#batch + 1] = stamp .. '-' .. seq .. tag
-          seq = seq + 1
-        end
-        missing = missing - redis.call('ZADD', key, 'NX', unpack(batch))
-      end
-      redis.call('PEXPIRE', key, ttl_ms(p.window_ms, now, real))
-    end
+    return {1, lim, lim - used - cost, p.window_ms, 0, now, 0},
+      apply(log_add, key, p, cost, used, now, real, scopes)
   end
   local retry = -1
   if cost <= lim then

@@ -40,6 +40,26 @@ local function bucket_save(key, p, have, now, real)
   end
 end
 
+-- Writes the bucket after an allowed call of cost that found tokens and
+-- nrec refund records and leaves have: the records, then the level (see
+-- bucket_save).
+local function bucket_apply(key, p, cost, scopes, tokens, have, nrec, now, real)
+  if have < p.cap and (nrec > 0 or (cost > 0 and #scopes > 0)) then
+    local R = records()
+    local recs = {}
+    if nrec > 0 then
+      recs = R.read(key)
+      -- an administrator's refund (cost < 0) lowers the records to the
+      -- new deficit; a charge first to the old one, then adds its own
+      if cost > 0 then R.lower(recs, p.cap - tokens) end
+    end
+    if cost > 0 then R.add(recs, scopes, tokens - have, now) end
+    R.lower(recs, p.cap - have)
+    R.write(key, recs)
+  end
+  bucket_save(key, p, have, now, real)
+end
+
 ALG.token_bucket.decide = function(key, p, cost, real, scopes)
   local now, tokens, nrec = bucket_state(key, p, real)
   local cap = p.cap
@@ -65,22 +85,7 @@ ALG.token_bucket.decide = function(key, p, cost, real, scopes)
   local result = {1, cap, math.floor(have + eps),
                   math.max(ms((cap - have) / rate), 0), 0, now, 0}
   if cost == 0 then return result, nil end
-  return result, function()
-    if have < cap and (nrec > 0 or (cost > 0 and #scopes > 0)) then
-      local R = records()
-      local recs = {}
-      if nrec > 0 then
-        recs = R.read(key)
-        -- an administrator's refund (cost < 0) lowers the records to the
-        -- new deficit; a charge first to the old one, then adds its own
-        if cost > 0 then R.lower(recs, cap - tokens) end
-      end
-      if cost > 0 then R.add(recs, scopes, tokens - have, now) end
-      R.lower(recs, cap - have)
-      R.write(key, recs)
-    end
-    bucket_save(key, p, have, now, real)
-  end
+  return result, apply(bucket_apply, key, p, cost, scopes, tokens, have, nrec, now, real)
 end
 
 ALG.token_bucket.refund = function(key, p, real, r)
