@@ -12,11 +12,12 @@
 --             the clock the call was decided on (µs: now, or later when the
 --             key's state is stamped later), epoch the key's (new_epoch;
 --             0 for the algorithms that do not need one)
---     commit  nil, as decide writes the new state of a call it allows
---             itself (nothing in a dry run); but when the main part
---             applies the calls itself (deferred), a function that writes
---             it, or nil when there is nothing to write, run only when the
---             call is applied (see apply)
+--     write, ...  for a call it allows that changes the state, the function
+--             that writes the new state and its arguments (none else, and
+--             decide itself writes nothing): the main part applies the call
+--             with write(...), at once (see applied; never in a dry run)
+--             or, for several limits, once all have allowed (run_all.lua);
+--             a write fills in result's epoch
 --   cost < 0 gives -cost units back at once (an administrator's refund);
 --   it is always allowed and applied.
 --   refund(key, p, now, r) undoes what a rolled-back (sub)transaction took
@@ -24,8 +25,8 @@
 --     parents} (see run_refund.lua).
 -- p = {lim, window_ms, cap} (see limit): cap is the burst, or lim when
 -- none is given. now is Redis's clock (or the test clock) in microseconds.
--- scopes is the list of refund scopes the charge belongs to, outermost
--- first (empty: none).
+-- scopes names the refund scopes the charge belongs to as the call gives
+-- them, "a,b", outermost first ('' for none; split makes a list of it).
 --
 -- The caller has checked every argument: lim > 0, 0 < window_ms <= 100
 -- years, cap * window_ms / lim <= 100 years. Every time computed here is
@@ -35,20 +36,18 @@
 -- Redis writes an integral one below 2^53 as an integer and any other with
 -- the digits that read back exactly (%.17g; 7.2 and later, the shortest
 -- such form), so only numbers joined into a string need formatting here.
+-- A number in a string is read with "+ 0" (Lua's coercion), which parses
+-- it once (tonumber parses it twice); tonumber stays where the string may
+-- be missing.
 local ALG = {}
 
 -- Whether this call runs on the test clock (rl_redis.test_clock_ms).
 local on_test_clock = false
 
 -- Whether this call is a dry run (rl_inspect), set by the main part: it is
--- decided as usual, and nothing is written (see apply; what a decide
--- writes before, it skips).
+-- decided as usual, and nothing is written (the main part runs no write,
+-- and what a decide would change on its way, it leaves).
 local dry_run = false
-
--- Whether the main part applies the calls itself, once all are decided
--- (run_all.lua: all limits or none): decide then returns a commit function
--- instead of writing.
-local deferred = false
 
 -- Real milliseconds that a key written on the test clock lives at least:
 -- that clock stands still between a test's calls while Redis's expiry
@@ -70,7 +69,7 @@ local redis_now = nil
 local function new_epoch()
   if not redis_now then
     local t = redis.call('TIME')
-    redis_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    redis_now = t[1] * 1000000 + t[2]
   end
   return redis_now
 end
@@ -79,7 +78,7 @@ end
 local function clock_us(test_now)
   if test_now and test_now ~= '' then
     on_test_clock = true
-    return tonumber(test_now)
+    return test_now + 0
   end
   return new_epoch()
 end
@@ -145,19 +144,15 @@ end
 -- The limit of a call's arguments (as ARGV gives them; burst "0": none):
 -- lim, window_ms and the capacity cap, the burst or lim.
 local function limit(lim, window_ms, burst)
-  local cap = tonumber(burst)
-  if cap == 0 then cap = tonumber(lim) end
-  return {lim = tonumber(lim), window_ms = tonumber(window_ms), cap = cap}
+  lim = lim + 0
+  local cap = burst + 0
+  if cap == 0 then cap = lim end
+  return {lim = lim, window_ms = window_ms + 0, cap = cap}
 end
 
--- What decide does with a call it allows: write(...) at once (nothing in a
--- dry run), and no commit; or, for a main part that applies the calls
--- itself (deferred), a commit function that does it.
-local function apply(write, ...)
-  if deferred then
-    local n, args = select('#', ...), {...}
-    return function() write(unpack(args, 1, n)) end
-  end
-  if not dry_run then write(...) end
-  return nil
+-- The result of a decision (decide's returns), applied at once: its write
+-- is run with the arguments that follow it (not in a dry run).
+local function applied(result, write, ...)
+  if write and not dry_run then write(...) end
+  return result
 end

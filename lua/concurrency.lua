@@ -13,8 +13,8 @@
 -- leaves the leases that ended in place and counts them out; its remaining
 -- is lim less the slots held now.
 local key = KEYS[1]
-local lim = tonumber(ARGV[1])
-local lease_ms = tonumber(ARGV[2])
+local lim = ARGV[1] + 0
+local lease_ms = ARGV[2] + 0
 local now = clock_us(ARGV[4])
 dry_run = ARGV[5] ~= nil and ARGV[5] ~= ''
 local asked = dry_run and tonumber(ARGV[5]) or 1
@@ -31,7 +31,7 @@ local held = redis.call('ZCARD', key) - gone
 local function lease_left(r)
   if r >= 0 then r = r + gone end
   local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
-  return math.max(ms(tonumber(s) - now), 1)
+  return math.max(ms(s - now), 1)
 end
 
 if dry_run then

@@ -40,21 +40,21 @@ local function gcra_state(key, p, now)
     return now, math.max(tat - now, 0), 0
   end
   if not state[1] then return now, 0, 0 end
-  local ts = tonumber(state[2])
+  local ts = state[2] + 0
   now = math.max(now, ts)
-  return now, math.max(tonumber(state[1]) - (now - ts), 0), tonumber(state[3]) or 0
+  return now, math.max(state[1] - (now - ts), 0), tonumber(state[3]) or 0
 end
 
 -- Writes the key after an allowed call of cost units of interval µs that
 -- found backlog and nrec refund records and leaves backlog b: the records,
 -- then the backlog (see gcra_save).
-local function gcra_apply(key, p, cost, scopes, interval, backlog, b, nrec, now, real)
+local function gcra_write(key, p, cost, scopes, interval, backlog, b, nrec, now, real)
   if cost < 0 and b > 0 and nrec > 0 then
     local R = records()
     local recs = R.read(key)
     R.lower(recs, b)
     R.write(key, recs)
-  elseif cost > 0 and (nrec > 0 or #scopes > 0) then
+  elseif cost > 0 and (nrec > 0 or scopes ~= '') then
     local R = records()
     local recs = {}
     if nrec > 0 then
@@ -94,7 +94,7 @@ ALG.gcra.decide = function(key, p, cost, real, scopes)
   local result = {1, cap, math.max(math.floor(cap - b / interval + eps), 0),
                   ms(b), 0, now, 0}
   if cost == 0 then return result, nil end
-  return result, apply(gcra_apply, key, p, cost, scopes, interval, backlog, b, nrec, now, real)
+  return result, gcra_write, key, p, cost, scopes, interval, backlog, b, nrec, now, real
 end
 
 ALG.gcra.refund = function(key, p, real, r)

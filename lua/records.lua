@@ -91,13 +91,14 @@ local function records()
     redis.call('HSET', key, 'k', k)
   end
 
-  -- Adds amount, charged at now, to the records of every scope in scopes
-  -- (made as needed). Beyond MAX_SCOPES records, drops first the records of
+  -- Adds amount, charged at now, to the records of every scope of scopes
+  -- ("a,b", see common.lua; made as needed). Beyond MAX_SCOPES records, drops first the records of
   -- this transaction's savepoints that are no longer open (not in scopes:
   -- released into an enclosing level, which owes their charges too), then
   -- the least recently charged other transaction's; never the open scopes of
   -- this charge.
   local function records_add(recs, scopes, amount, now)
+    scopes = split(scopes)
     local n = 0
     for _, r in pairs(recs) do
       if r[1] > 0 then n = n + 1 end

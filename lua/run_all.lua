@@ -26,9 +26,15 @@ local function tighter(a, b)
   return a[4] > b[4]
 end
 
-deferred = true
+-- A decide's returns: its result and, when it has a write, a function that
+-- runs it (see common.lua), to run once every limit has allowed.
+local function later(result, write, ...)
+  if not write then return result, nil end
+  local args = {n = select('#', ...), ...}
+  return result, function() write(unpack(args, 1, args.n)) end
+end
+
 local now = clock_us(ARGV[1])
-local scopes = split(ARGV[2])
 local commits = {}
 local results = {}
 local shadows = {}
@@ -37,8 +43,8 @@ local worst, worst_index = nil, 0
 for i = 1, #KEYS do
   local b = 2 + (i - 1) * 6
   local p = limit(ARGV[b + 2], ARGV[b + 3], ARGV[b + 4])
-  local result, commit = ALG[ARGV[b + 1]].decide(KEYS[i], p,
-    tonumber(ARGV[b + 5]), now, scopes)
+  local result, commit = later(ALG[ARGV[b + 1]].decide(KEYS[i], p,
+    ARGV[b + 5] + 0, now, ARGV[2]))
   from_clock(result, now)
   local shadow = ARGV[b + 6] == '1'
   if result[1] == 0 and not shadow then all_allowed = false end

@@ -10,15 +10,21 @@
 -- error message and six zeros, and nothing is written to it: a decision
 -- fails before its first write or not at all (see common.lua), so the
 -- other keys' decisions stand.
+-- pcall's returns of a decide: whether it ran and its result, applied at
+-- once (see applied)
+local function decided(ok, ...)
+  if ok then return ok, applied(...) end
+  return ok, ...
+end
+
 local p = limit(ARGV[2], ARGV[3], ARGV[4])
 local alg = ALG[ARGV[1]]
-local cost = tonumber(ARGV[5])
+local cost = ARGV[5] + 0
 local now = clock_us(ARGV[6])
-local scopes = split(ARGV[7])
 local reply = {}
 for i = 1, #KEYS do
   local b = (i - 1) * 7
-  local ok, result = pcall(alg.decide, KEYS[i], p, cost, now, scopes)
+  local ok, result = decided(pcall(alg.decide, KEYS[i], p, cost, now, ARGV[7]))
   if ok then
     from_clock(result, now)
     for j = 1, 7 do

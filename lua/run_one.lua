@@ -11,6 +11,6 @@
 local p = limit(ARGV[2], ARGV[3], ARGV[5])
 local now = clock_us(ARGV[6])
 dry_run = ARGV[8] == '1'
-local result = ALG[ARGV[1]].decide(KEYS[1], p, tonumber(ARGV[4]), now,
-  split(ARGV[7]))
+local result = applied(ALG[ARGV[1]].decide(KEYS[1], p, ARGV[4] + 0, now,
+  ARGV[7]))
 return from_clock(result, now)

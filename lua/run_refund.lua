@@ -13,9 +13,8 @@ local r = {scope = ARGV[2], parents = split(ARGV[3])}
 for i = 1, #KEYS do
   local b = 3 + (i - 1) * 9
   local p = limit(ARGV[b + 2], ARGV[b + 3], ARGV[b + 4])
-  r.idx, r.units, r.prev = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6]),
-    tonumber(ARGV[b + 7])
-  r.epoch, r.first = tonumber(ARGV[b + 8]), tonumber(ARGV[b + 9])
+  r.idx, r.units, r.prev = ARGV[b + 5] + 0, ARGV[b + 6] + 0, ARGV[b + 7] + 0
+  r.epoch, r.first = ARGV[b + 8] + 0, ARGV[b + 9] + 0
   -- a key Redis cannot read (another type: not rl_redis's) gives nothing
   -- back and stops no other key's refund; a refund fails before its first
   -- write or not at all (see common.lua)

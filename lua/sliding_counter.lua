@@ -45,9 +45,10 @@ local function counter_state(key, p, now)
 end
 
 -- Writes the counts of the window that starts at start (ms) and holds now
--- (or deletes the key when both are zero), with its expiry; returns the
--- key's epoch (a new one when the key is made).
-local function counter_save(key, p, start, c, prev, now, real, epoch)
+-- (or deletes the key when both are zero), with its expiry, and puts the
+-- key's epoch (a new one when the key is made) in the decision's result r
+-- (nil for a refund).
+local function counter_save(key, p, start, c, prev, now, real, epoch, r)
   if c > 0 or prev > 0 then
     epoch = epoch or new_epoch()
     redis.call('SET', key, struct.pack(COUNTER_FORMAT, c, prev, now, epoch, p.lim),
@@ -55,13 +56,7 @@ local function counter_save(key, p, start, c, prev, now, real, epoch)
   else
     redis.call('DEL', key)
   end
-  return epoch
-end
-
--- Writes an allowed call's counts (see counter_save) and puts the key's
--- epoch in its result r.
-local function counter_apply(r, key, p, start, c, prev, now, real, epoch)
-  r[7] = counter_save(key, p, start, c, prev, now, real, epoch) or 0
+  if r then r[7] = epoch or 0 end
 end
 
 ALG.sliding_counter.decide = function(key, p, cost, real)
@@ -92,12 +87,12 @@ ALG.sliding_counter.decide = function(key, p, cost, real)
   if cost < 0 then
     local cur = math.max(c + cost, 0)
     local r = result(1, cur, 0)
-    return r, apply(counter_apply, r, key, p, start, cur, prev, now, real, epoch)
+    return r, counter_save, key, p, start, cur, prev, now, real, epoch, r
   end
   if fits_at(now, cost) then
     local r = result(1, c + cost, 0)
     if cost == 0 then return r, nil end
-    return r, apply(counter_apply, r, key, p, start, c + cost, prev, now, real, epoch)
+    return r, counter_save, key, p, start, c + cost, prev, now, real, epoch, r
   end
   local retry = -1
   if cost <= lim then

@@ -15,7 +15,7 @@ ALG.sliding = {}
 local function log_state(key, p, now)
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
   if not newest then return now, 0, 0 end
-  now = math.max(now, tonumber(newest))
+  now = math.max(now, newest + 0)
   local gone = 0
   if dry_run then
     gone = redis.call('ZCOUNT', key, '-inf', now - p.window_ms * 1000)
@@ -37,7 +37,7 @@ local function log_add(key, p, cost, seq, now, real, scopes)
   -- them in batches, with more sequence numbers for any that happened to
   -- exist already
   local tag = ''
-  if #scopes > 0 then tag = '|' .. table.concat(scopes, '|') .. '|' end
+  if scopes ~= '' then tag = '|' .. string.gsub(scopes, ',', '|') .. '|' end
   local stamp = string.format('%.0f', now)
   local missing = cost
   while missing > 0 do
@@ -61,7 +61,7 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
   local function ms_until_gone(r)
     if r >= 0 then r = r + gone end
     local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
-    return math.max(ms(tonumber(s) + window - now), 1)
+    return math.max(ms(s + window - now), 1)
   end
   local function reset_of(n)
     if n == 0 then return 0 end
@@ -75,17 +75,17 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
     local r = {1, lim, lim, 0, 0, now, 0}
     if after > 0 then
       r[3] = math.max(lim - after, 0)
-      r[4] = math.max(ms(tonumber(redis.call('ZRANGE', key, after - 1, after - 1,
-        'WITHSCORES')[2]) + window - now), 1)
+      r[4] = math.max(ms(redis.call('ZRANGE', key, after - 1, after - 1,
+        'WITHSCORES')[2] + window - now), 1)
     end
-    return r, apply(log_pop, key, n)
+    return r, log_pop, key, n
   end
   if used + cost <= lim then
     if cost == 0 then
       return {1, lim, lim - used, reset_of(used), 0, now, 0}, nil
     end
     return {1, lim, lim - used - cost, p.window_ms, 0, now, 0},
-      apply(log_add, key, p, cost, used, now, real, scopes)
+      log_add, key, p, cost, used, now, real, scopes
   end
   local retry = -1
   if cost <= lim then

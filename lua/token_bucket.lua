@@ -21,9 +21,9 @@ local function bucket_state(key, p, now)
   local state = redis.call('HMGET', key, 't', 'ts', 'k')
   local tokens = p.cap
   if state[1] then
-    now = math.max(now, tonumber(state[2]))
-    tokens = math.min(p.cap, tonumber(state[1]) +
-      (now - tonumber(state[2])) * p.lim / (p.window_ms * 1000))
+    local ts = state[2] + 0
+    now = math.max(now, ts)
+    tokens = math.min(p.cap, state[1] + (now - ts) * p.lim / (p.window_ms * 1000))
   end
   return now, tokens, tonumber(state[3]) or 0
 end
@@ -43,8 +43,8 @@ end
 -- Writes the bucket after an allowed call of cost that found tokens and
 -- nrec refund records and leaves have: the records, then the level (see
 -- bucket_save).
-local function bucket_apply(key, p, cost, scopes, tokens, have, nrec, now, real)
-  if have < p.cap and (nrec > 0 or (cost > 0 and #scopes > 0)) then
+local function bucket_write(key, p, cost, scopes, tokens, have, nrec, now, real)
+  if have < p.cap and (nrec > 0 or (cost > 0 and scopes ~= '')) then
     local R = records()
     local recs = {}
     if nrec > 0 then
@@ -85,7 +85,7 @@ ALG.token_bucket.decide = function(key, p, cost, real, scopes)
   local result = {1, cap, math.floor(have + eps),
                   math.max(ms((cap - have) / rate), 0), 0, now, 0}
   if cost == 0 then return result, nil end
-  return result, apply(bucket_apply, key, p, cost, scopes, tokens, have, nrec, now, real)
+  return result, bucket_write, key, p, cost, scopes, tokens, have, nrec, now, real
 end
 
 ALG.token_bucket.refund = function(key, p, real, r)
