@@ -26,7 +26,7 @@
 -- p = {lim, window_ms, cap} (see limit): cap is the burst, or lim when
 -- none is given. now is Redis's clock (or the test clock) in microseconds.
 -- scopes names the refund scopes the charge belongs to as the call gives
--- them, "a,b", outermost first ('' for none; split makes a list of it).
+-- them, "a,b", outermost first ('' for none; see split in records.lua).
 --
 -- The caller has checked every argument: lim > 0, 0 < window_ms <= 100
 -- years, cap * window_ms / lim <= 100 years. Every time computed here is
@@ -114,15 +114,6 @@ local function from_clock(result, real)
     if result[5] > 0 then result[5] = result[5] + extra end
   end
   return result
-end
-
--- Splits "a,b,c" into {"a", "b", "c"}; "" gives {}.
-local function split(s)
-  local out = {}
-  if s and s ~= '' then
-    for part in string.gmatch(s, '[^,]+') do out[#out + 1] = part end
-  end
-  return out
 end
 
 -- The expiry, in ms from Redis's clock, of a state that counts for ttl ms

@@ -16,6 +16,16 @@
 -- charged transaction's going first (its refund then gives back nothing:
 -- never too much).
 
+-- Splits "a,b,c" into {"a", "b", "c"}; "" gives {}. For the records (a
+-- charge's scopes) and the refund script (a scope's parents).
+local function split(s)
+  local out = {}
+  if s and s ~= '' then
+    for part in string.gmatch(s, '[^,]+') do out[#out + 1] = part end
+  end
+  return out
+end
+
 -- The record functions below, made on a call's first use of them and kept
 -- for the rest of the call: a call that meets no records makes none.
 -- records() returns {read, lower, write, add, take, top_of}.

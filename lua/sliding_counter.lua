@@ -59,56 +59,48 @@ local function counter_save(key, p, start, c, prev, now, real, epoch, r)
   if r then r[7] = epoch or 0 end
 end
 
+-- The estimate of the units in the window_ms before t (µs): the window
+-- that starts at start (ms) holds cur units, the one before it prev, spread
+-- evenly over it.
+local function counter_estimate(t, start, W, prev, cur)
+  local into = t / 1000 - start
+  if into < W then return prev * (W - into) / W + cur end
+  if into < 2 * W then return cur * (2 * W - into) / W end
+  return 0
+end
+
 ALG.sliding_counter.decide = function(key, p, cost, real)
   local now, _, start, c, prev, epoch = counter_state(key, p, real)
   local lim, W = p.lim, p.window_ms
   local left = start + W - now / 1000     -- ms until the current window ends
 
-  -- the estimate at time t (µs, not before now) with cur units in this window
-  local function estimate_at(t, cur)
-    local into = t / 1000 - start
-    if into < W then return prev * (W - into) / W + cur end
-    if into < 2 * W then return cur * (2 * W - into) / W end
-    return 0
-  end
-  local function fits_at(t, units)
-    return estimate_at(t, c) + units <= lim + 1e-9
-  end
-  local function reset_of(cur)
-    if cur > 0 then return math.ceil(left + W) end
-    if prev > 0 then return math.ceil(left) end
-    return 0
-  end
-  local function result(allowed, cur, retry)
-    return {allowed, lim, math.max(math.floor(lim - estimate_at(now, cur) + 1e-9), 0),
-            reset_of(cur), retry, now, epoch or 0}
-  end
-
-  if cost < 0 then
-    local cur = math.max(c + cost, 0)
-    local r = result(1, cur, 0)
-    return r, counter_save, key, p, start, cur, prev, now, real, epoch, r
-  end
-  if fits_at(now, cost) then
-    local r = result(1, c + cost, 0)
-    if cost == 0 then return r, nil end
-    return r, counter_save, key, p, start, c + cost, prev, now, real, epoch, r
-  end
-  local retry = -1
-  if cost <= lim then
-    local us
-    if c + cost <= lim and prev > 0 then
-      -- until the previous window's weight has shrunk enough
-      us = (left - (lim - c - cost) * W / prev) * 1000
-    elseif c > 0 then
-      -- into the next window, where c becomes the previous count
-      us = (left + math.max(W - (lim - cost) * W / c, 0)) * 1000
-    else
-      us = left * 1000
+  -- allowed, the units in the window once decided and the wait
+  local allowed, cur, retry = 1, math.max(c + cost, 0), 0
+  if cost >= 0 and counter_estimate(now, start, W, prev, c) + cost > lim + 1e-9 then
+    allowed, cur, retry = 0, c, -1
+    if cost <= lim then
+      local us
+      if c + cost <= lim and prev > 0 then
+        -- until the previous window's weight has shrunk enough
+        us = (left - (lim - c - cost) * W / prev) * 1000
+      elseif c > 0 then
+        -- into the next window, where c becomes the previous count
+        us = (left + math.max(W - (lim - cost) * W / c, 0)) * 1000
+      else
+        us = left * 1000
+      end
+      retry = first_ms(us, now, function(t)
+        return counter_estimate(t, start, W, prev, c) + cost <= lim + 1e-9
+      end)
     end
-    retry = first_ms(us, now, function(t) return fits_at(t, cost) end)
   end
-  return result(0, c, retry), nil
+  local reset = 0
+  if cur > 0 then reset = math.ceil(left + W) elseif prev > 0 then reset = math.ceil(left) end
+  local r = {allowed, lim,
+             math.max(math.floor(lim - counter_estimate(now, start, W, prev, cur) + 1e-9), 0),
+             reset, retry, now, epoch or 0}
+  if allowed == 0 or cost == 0 then return r, nil end
+  return r, counter_save, key, p, start, cur, prev, now, real, epoch, r
 end
 
 ALG.sliding_counter.refund = function(key, p, real, r)

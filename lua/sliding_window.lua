@@ -52,37 +52,30 @@ local function log_add(key, p, cost, seq, now, real, scopes)
   redis.call('PEXPIRE', key, ttl_ms(p.window_ms, now, real))
 end
 
+-- ms (at least 1) until the unit at rank r of the window (0 = oldest, -1 =
+-- newest; gone members before it, see log_state) leaves the window, on the
+-- clock now; 0 when the window holds no unit (used).
+local function log_wait(key, r, used, gone, p, now)
+  if used == 0 then return 0 end
+  if r >= 0 then r = r + gone end
+  local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
+  return math.max(ms(s + p.window_ms * 1000 - now), 1)
+end
+
 ALG.sliding.decide = function(key, p, cost, real, scopes)
   local now, used, gone = log_state(key, p, real)
-  local lim, window = p.lim, p.window_ms * 1000
-
-  -- ms until the unit at rank r in the window (0 = oldest, -1 = newest)
-  -- leaves
-  local function ms_until_gone(r)
-    if r >= 0 then r = r + gone end
-    local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
-    return math.max(ms(s + window - now), 1)
-  end
-  local function reset_of(n)
-    if n == 0 then return 0 end
-    return ms_until_gone(-1)
-  end
+  local lim = p.lim
 
   if cost < 0 then
     -- give back the newest units
     local n = math.min(-cost, used)
     local after = used - n
-    local r = {1, lim, lim, 0, 0, now, 0}
-    if after > 0 then
-      r[3] = math.max(lim - after, 0)
-      r[4] = math.max(ms(redis.call('ZRANGE', key, after - 1, after - 1,
-        'WITHSCORES')[2] + window - now), 1)
-    end
-    return r, log_pop, key, n
+    return {1, lim, math.max(lim - after, 0), log_wait(key, after - 1, after, gone, p, now),
+            0, now, 0}, log_pop, key, n
   end
   if used + cost <= lim then
     if cost == 0 then
-      return {1, lim, lim - used, reset_of(used), 0, now, 0}, nil
+      return {1, lim, lim - used, log_wait(key, -1, used, gone, p, now), 0, now, 0}, nil
     end
     return {1, lim, lim - used - cost, p.window_ms, 0, now, 0},
       log_add, key, p, cost, used, now, real, scopes
@@ -90,9 +83,10 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
   local retry = -1
   if cost <= lim then
     -- the call fits once the (used + cost - lim) oldest units have left
-    retry = ms_until_gone(used + cost - lim - 1)
+    retry = log_wait(key, used + cost - lim - 1, used, gone, p, now)
   end
-  return {0, lim, math.max(lim - used, 0), reset_of(used), retry, now, 0}, nil
+  return {0, lim, math.max(lim - used, 0), log_wait(key, -1, used, gone, p, now), retry,
+          now, 0}, nil
 end
 
 ALG.sliding.refund = function(key, p, real, r)

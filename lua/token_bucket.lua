@@ -9,12 +9,6 @@
 -- tokens the bucket would hold had the charges never happened.
 ALG.token_bucket = {}
 
--- Slack for floating-point error in the refill and the additions: a few
--- units in the last place of the capacity.
-local function bucket_eps(cap)
-  return 1e-9 + cap * 1e-13
-end
-
 -- Reads the bucket as of now (never earlier than ts): tokens, after refill,
 -- and the number of refund records.
 local function bucket_state(key, p, now)
@@ -64,7 +58,9 @@ ALG.token_bucket.decide = function(key, p, cost, real, scopes)
   local now, tokens, nrec = bucket_state(key, p, real)
   local cap = p.cap
   local rate = p.lim / (p.window_ms * 1000)   -- tokens per µs
-  local eps = bucket_eps(cap)
+  -- slack for floating-point error in the refill and the additions: a few
+  -- units in the last place of the capacity
+  local eps = 1e-9 + cap * 1e-13
   local have
 
   if cost < 0 then
