@@ -24,7 +24,6 @@
 -- their units cannot be told apart).
 -- (Release 1.5 and before kept a hash under the kind "fixed"; keys of kind
 -- "fixed.2" hold this layout only.)
-ALG.fixed = {}
 
 -- The struct formats of a short-form state whose counts take k = 1 to 4
 -- bytes, 7 characters each, k-th from 7k - 6 (the test-clock form appends
@@ -84,7 +83,8 @@ local function fixed_save(key, p, idx, left, n, now, real, epoch, r)
   if r then r[7] = epoch or 0 end
 end
 
-ALG.fixed.decide = function(key, p, cost, real)
+-- Decides a call on a fixed window (see decide in common.lua).
+local function fixed_decide(key, p, cost, real)
   local now, idx, left, used, epoch = fixed_state(key, p, real)
   local lim = p.lim
   local n = used + cost
@@ -105,9 +105,12 @@ ALG.fixed.decide = function(key, p, cost, real)
   return r, fixed_save, key, p, idx, left, n, now, real, epoch, r
 end
 
-ALG.fixed.refund = function(key, p, real, r)
+-- Gives back a rolled-back charge on a fixed window (see refund in common.lua).
+local function fixed_refund(key, p, real, r)
   local now, idx, left, used, epoch, lim = fixed_state(key, p, real)
   if r.idx == idx and used > 0 and epoch == r.epoch and lim == p.lim then
     fixed_save(key, p, idx, left, math.max(used - r.units, 0), now, real, epoch)
   end
 end
+
+ALG.fixed = {decide = fixed_decide, refund = fixed_refund}

@@ -13,7 +13,6 @@
 -- such a key is read once and rewritten as a hash.)
 -- A rolled-back charge shortens the backlog by what its scope's record
 -- still owes.
-ALG.gcra = {}
 
 -- Writes the backlog b (µs) at now (or deletes the key, records and all,
 -- when there is none). The expiry is the last write of a call.
@@ -68,7 +67,8 @@ local function gcra_write(key, p, cost, scopes, interval, backlog, b, nrec, now,
   gcra_save(key, p, b, now, real)
 end
 
-ALG.gcra.decide = function(key, p, cost, real, scopes)
+-- Decides a call on a GCRA key (see decide in common.lua).
+local function gcra_decide(key, p, cost, real, scopes)
   local now, backlog, nrec = gcra_state(key, p, real)
   local cap = p.cap
   local interval = p.window_ms * 1000 / p.lim   -- µs per unit
@@ -97,7 +97,8 @@ ALG.gcra.decide = function(key, p, cost, real, scopes)
   return result, gcra_write, key, p, cost, scopes, interval, backlog, b, nrec, now, real
 end
 
-ALG.gcra.refund = function(key, p, real, r)
+-- Gives back a rolled-back charge on a GCRA key (see refund in common.lua).
+local function gcra_refund(key, p, real, r)
   local now, backlog, nrec = gcra_state(key, p, real)
   if nrec == 0 or backlog <= 0 then return end
   local recs = records().read(key)
@@ -107,3 +108,5 @@ ALG.gcra.refund = function(key, p, real, r)
   records().write(key, recs)
   gcra_save(key, p, b, now, real)
 end
+
+ALG.gcra = {decide = gcra_decide, refund = gcra_refund}

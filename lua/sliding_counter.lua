@@ -15,7 +15,6 @@
 -- the charge's lim (see fixed_window.lua).
 -- (Release 1.5 and before kept a hash under the kind "sliding_counter";
 -- keys of kind "sliding_counter.2" hold this layout only.)
-ALG.sliding_counter = {}
 
 local COUNTER_FORMAT = '<I4I4I7I7I4'
 local COUNTER_BYTES = 26
@@ -69,7 +68,8 @@ local function counter_estimate(t, start, W, prev, cur)
   return 0
 end
 
-ALG.sliding_counter.decide = function(key, p, cost, real)
+-- Decides a call on a sliding-window counter (see decide in common.lua).
+local function sliding_counter_decide(key, p, cost, real)
   local now, _, start, c, prev, epoch = counter_state(key, p, real)
   local lim, W = p.lim, p.window_ms
   local left = start + W - now / 1000     -- ms until the current window ends
@@ -103,7 +103,8 @@ ALG.sliding_counter.decide = function(key, p, cost, real)
   return r, counter_save, key, p, start, cur, prev, now, real, epoch, r
 end
 
-ALG.sliding_counter.refund = function(key, p, real, r)
+-- Gives back a rolled-back charge on a sliding-window counter (see refund in common.lua).
+local function sliding_counter_refund(key, p, real, r)
   local now, idx, start, c, prev, epoch, lim = counter_state(key, p, real)
   if epoch == nil or epoch ~= r.epoch or lim ~= p.lim then return end
   if r.idx == idx then
@@ -116,3 +117,5 @@ ALG.sliding_counter.refund = function(key, p, real, r)
   end
   counter_save(key, p, start, c, prev, now, real, epoch)
 end
+
+ALG.sliding_counter = {decide = sliding_counter_decide, refund = sliding_counter_refund}

@@ -5,7 +5,6 @@
 -- "<time>-<n>" followed by "|<scope>|" for each refund scope of the charge
 -- that took it, so that a rolled-back scope removes exactly its own units
 -- that are still in the window.
-ALG.sliding = {}
 
 -- Drops the units that have left the window (a dry run counts them
 -- instead) and returns now (never earlier than the newest unit), the
@@ -62,7 +61,8 @@ local function log_wait(key, r, used, gone, p, now)
   return math.max(ms(s + p.window_ms * 1000 - now), 1)
 end
 
-ALG.sliding.decide = function(key, p, cost, real, scopes)
+-- Decides a call on a sliding log (see decide in common.lua).
+local function sliding_decide(key, p, cost, real, scopes)
   local now, used, gone = log_state(key, p, real)
   local lim = p.lim
 
@@ -89,7 +89,8 @@ ALG.sliding.decide = function(key, p, cost, real, scopes)
           now, 0}, nil
 end
 
-ALG.sliding.refund = function(key, p, real, r)
+-- Gives back a rolled-back charge on a sliding log (see refund in common.lua).
+local function sliding_refund(key, p, real, r)
   -- only the scope's own entries are removed, and only those taken since
   -- its first charge can be its own (the window is not applied here: the
   -- limit may have changed since)
@@ -107,3 +108,5 @@ ALG.sliding.refund = function(key, p, real, r)
   end
   if #doomed > 0 then redis.call('ZREM', key, unpack(doomed)) end
 end
+
+ALG.sliding = {decide = sliding_decide, refund = sliding_refund}

@@ -7,7 +7,6 @@
 -- and the burst (see src/keys.c), so the state needs no limit of its own.
 -- A rolled-back charge gives back what its scope's record still owes: the
 -- tokens the bucket would hold had the charges never happened.
-ALG.token_bucket = {}
 
 -- Reads the bucket as of now (never earlier than ts): tokens, after refill,
 -- and the number of refund records.
@@ -54,7 +53,8 @@ local function bucket_write(key, p, cost, scopes, tokens, have, nrec, now, real)
   bucket_save(key, p, have, now, real)
 end
 
-ALG.token_bucket.decide = function(key, p, cost, real, scopes)
+-- Decides a call on a token bucket (see decide in common.lua).
+local function token_bucket_decide(key, p, cost, real, scopes)
   local now, tokens, nrec = bucket_state(key, p, real)
   local cap = p.cap
   local rate = p.lim / (p.window_ms * 1000)   -- tokens per µs
@@ -84,7 +84,8 @@ ALG.token_bucket.decide = function(key, p, cost, real, scopes)
   return result, bucket_write, key, p, cost, scopes, tokens, have, nrec, now, real
 end
 
-ALG.token_bucket.refund = function(key, p, real, r)
+-- Gives back a rolled-back charge on a token bucket (see refund in common.lua).
+local function token_bucket_refund(key, p, real, r)
   local now, tokens, nrec = bucket_state(key, p, real)
   if nrec == 0 or tokens >= p.cap then return end
   local recs = records().read(key)
@@ -94,3 +95,5 @@ ALG.token_bucket.refund = function(key, p, real, r)
   records().write(key, recs)
   bucket_save(key, p, have, now, real)
 end
+
+ALG.token_bucket = {decide = token_bucket_decide, refund = token_bucket_refund}
