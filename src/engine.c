@@ -468,7 +468,6 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 {
 	const char *argv[12];
 	size_t		argvlen[12];
-	int			argc;
 	char		lim_s[16],
 				window_s[24],
 				cost_s[16],
@@ -518,18 +517,13 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 	argvlen[10] = strlen(scopes);
 	argv[11] = c->dry_run ? "1" : "";
 	argvlen[11] = strlen(argv[11]);
-	/* empty arguments at the end (no test clock, scopes or dry run) are left
-	 * out: Redis makes a Lua string of each argument of every call */
-	argc = 12;
-	while (argvlen[argc - 1] == 0)
-		argc--;
 
 	start = rl_stats ? GetCurrentTimestamp() : 0;
 	sent_ms = rl_deny_cache ? rl_deny_cache_now() : 0;
 	mark = rl_deny_cache_mark();
 	rl_context_push(&ctx, cost < 0 ? "refund" : "decision",
 					limit->algorithm->name, key->data, key->len, 0);
-	reply = rl_call(key->data, key->len, &limit->algorithm->script, argc, argv,
+	reply = rl_call(key->data, key->len, &limit->algorithm->script, 12, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, limit, d, NULL, 0, NULL, &failure))
