@@ -2,7 +2,7 @@
 -- State: a packed string (Lua struct, little-endian unsigned integers) in
 -- one of two forms, told apart by its length:
 --   2k + 7 bytes (9, 11, 13, 15)    n, l (k bytes each), e (7 bytes)
---   2k + 14 bytes (16, 18, 20, 22)  n, l, e, w (7 bytes), the test-clock form
+--   2k + 15 bytes (17, 19, 21, 23)  n, l, e, w (8 bytes), the test-clock form
 -- n = units used in the window, l = the lim it was last written under (for
 -- refunds), in the fewest bytes k (1 to 4) that hold both (n can exceed l
 -- after a change of lim and an administrator's refund); e = the key's epoch
@@ -22,12 +22,15 @@
 -- under the charge's lim (a policy keeps its key when its lim changes, and
 -- shares it with another database's policy of the same name and window:
 -- their units cannot be told apart).
+-- Every other length is refused (WRONGTYPE), among them 22: the layout of
+-- 1.6's development builds before this one (n, w, e, l in 4, 7, 7, 4
+-- bytes), whose w would be misread as an epoch.
 -- (Release 1.5 and before kept a hash under the kind "fixed"; keys of kind
 -- "fixed.2" hold this layout only.)
 
 -- The struct formats of a short-form state whose counts take k = 1 to 4
 -- bytes, 7 characters each, k-th from 7k - 6 (the test-clock form appends
--- I7): one string, which costs a call nothing, where a table would be made
+-- I8): one string, which costs a call nothing, where a table would be made
 -- anew by each.
 local FIXED_FORMATS = '<I1I1I7<I2I2I7<I3I3I7<I4I4I7'
 
@@ -40,16 +43,16 @@ local function fixed_state(key, p, now)
   local wus = p.window_ms * 1000
   local used, epoch, lim = 0, nil, nil
   if v then
-    local short = #v % 2 == 1
-    local k = short and (#v - 7) / 2 or (#v - 14) / 2
-    if k < 1 or k > 4 then wrong_kind() end
+    local short = #v <= 15
+    local k = short and (#v - 7) / 2 or (#v - 15) / 2
+    if k < 1 or k > 4 or k % 1 ~= 0 then wrong_kind() end
     local w
     local f = string.sub(FIXED_FORMATS, 7 * k - 6, 7 * k)
     if short then
       used, lim, epoch = struct.unpack(f, v)
       w = math.floor(epoch / wus)
     else
-      used, lim, epoch, w = struct.unpack(f .. 'I7', v)
+      used, lim, epoch, w = struct.unpack(f .. 'I8', v)
     end
     now = math.max(now, w * wus)
     if math.floor(now / wus) ~= w then used, epoch, lim = 0, nil, nil end
@@ -74,7 +77,7 @@ local function fixed_save(key, p, idx, left, n, now, real, epoch, r)
     if math.floor(epoch / (p.window_ms * 1000)) == idx then
       v = struct.pack(f, n, p.lim, epoch)
     else
-      v = struct.pack(f .. 'I7', n, p.lim, epoch, idx)
+      v = struct.pack(f .. 'I8', n, p.lim, epoch, idx)
     end
     redis.call('SET', key, v, 'PX', ttl_ms(left, now, real))
   else

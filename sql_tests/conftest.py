@@ -299,11 +299,11 @@ def fixed_state(state):
     if state is None:
         return None
     raw = state.encode(errors="surrogateescape")
-    short = len(raw) % 2 == 1
-    k = (len(raw) - (7 if short else 14)) // 2
-    assert 1 <= k <= 4, "a fixed window's state of %d bytes" % len(raw)
+    short = len(raw) <= 15
+    k = (len(raw) - (7 if short else 15)) // 2
+    assert len(raw) % 2 == 1 and 1 <= k <= 4, "a fixed window's state of %d bytes" % len(raw)
     fields = [int.from_bytes(raw[i:i + n], "little")
-              for i, n in zip((0, k, 2 * k, 2 * k + 7), (k, k, 7, 7))]
+              for i, n in zip((0, k, 2 * k, 2 * k + 7), (k, k, 7, 8))]
     return tuple(fields[:3]) + ((None,) if short else (fields[3],))
 
 

@@ -6,8 +6,10 @@ A fixed window's state is n and l in k bytes each (k = 1 to 4, the fewest
 that hold both), then the key's epoch in 7: 9 to 15 bytes, an odd length.
 The epoch is Redis's clock when the window's state was made, so on Redis's
 clock the window's number is floor(epoch / window_us); on the test clock it
-is not, and the state holds the window's number too (7 more bytes: 16 to 22,
-an even length). Any other length is not a fixed window's state: WRONGTYPE.
+is not, and the state holds the window's number too (8 more bytes: 17 to
+23). Any other length is not a fixed window's state: WRONGTYPE, among them
+22, the layout of earlier 1.6 builds (n, w, e, l in 4, 7, 7 and 4 bytes),
+whose window number would otherwise be read as an epoch.
 A sliding counter's state is 26 bytes: its window's number is that of its
 clock stamp ts.
 
@@ -113,7 +115,7 @@ def test_fixed_count_above_lim_keeps_its_width(pg, shared_redis, policy, lim, k)
 
 
 def test_fixed_state_on_the_test_clock_holds_its_window(pg, shared_redis):
-    """On the test clock the state holds the window's number (16 bytes at
+    """On the test clock the state holds the window's number (17 bytes at
     lim 5); a call in the next window makes a new epoch."""
     identity = new_ident("packed_test_clock")
     key = rl_key("fixed", identity, lim=5, window_ms=60000)
@@ -121,7 +123,7 @@ def test_fixed_state_on_the_test_clock_holds_its_window(pg, shared_redis):
     before = redis_us(shared_redis)
     assert [fixed(pg, identity, 5, 60000) for _ in range(2)] == [(True, 4), (True, 3)]
     after = redis_us(shared_redis)
-    assert len(raw(shared_redis, key)) == 16
+    assert len(raw(shared_redis, key)) == 17
     n, l, epoch, w = fixed_state(shared_redis.command("GET", key))
     assert (n, l, w) == (2, 5, BASE_CLOCK_MS // 60000)
     assert before <= epoch <= after
@@ -146,12 +148,12 @@ def test_fixed_reads_every_length(pg, shared_redis, k):
     cases = [
         # (written: format and fields, expected state after one unit)
         ((ints, 3, 10, now - 1000000), (4, 10, now - 1000000, None), 9),
-        ((ints + "I7", 3, 10, 5, 1), (4, 10, 5, 1), 16),
-        ((ints + "I7", 3, 10, now - 1000000, 1), (4, 10, now - 1000000, None), 9),
+        ((ints + "I8", 3, 10, 5, 1), (4, 10, 5, 1), 17),
+        ((ints + "I8", 3, 10, now - 1000000, 1), (4, 10, now - 1000000, None), 9),
     ]
     for written, state, length in cases:
         shared_redis.command("EVAL", PACK, 1, key, *written)
-        assert len(raw(shared_redis, key)) == (2 * k + 7 if len(written) == 4 else 2 * k + 14)
+        assert len(raw(shared_redis, key)) == (2 * k + 7 if len(written) == 4 else 2 * k + 15)
         assert fixed(pg, identity, 10, HUGE_WINDOW_MS) == (True, 6)
         assert (fixed_state(shared_redis.command("GET", key)), len(raw(shared_redis, key))) == \
             (state, length)
@@ -163,7 +165,7 @@ def test_fixed_test_clock_form_of_an_earlier_window_starts_afresh(pg, shared_red
     clock (window 1): a new window, a new epoch, the short form."""
     identity = new_ident("packed_earlier")
     key = rl_key("fixed", identity, lim=10, window_ms=HUGE_WINDOW_MS)
-    shared_redis.command("EVAL", PACK, 1, key, "<I1I1I7I7", 9, 10, 5, 0)
+    shared_redis.command("EVAL", PACK, 1, key, "<I1I1I7I8", 9, 10, 5, 0)
     before = redis_us(shared_redis)
     assert fixed(pg, identity, 10, HUGE_WINDOW_MS) == (True, 9)
     n, l, epoch, w = fixed_state(shared_redis.command("GET", key))
@@ -194,10 +196,10 @@ def test_fixed_clock_step_back_keeps_the_window(pg, shared_redis):
     shared_redis.command("DEL", key)
 
 
-@pytest.mark.parametrize("length", [0, 1, 7, 8, 10, 14, 17, 23, 24, 26, 33])
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 10, 14, 16, 18, 20, 22, 24, 25, 26, 33])
 def test_fixed_state_of_another_length_is_wrongtype(pg, shared_redis, length):
-    """A string of a length neither form has (an odd one outside 9 to 15,
-    an even one outside 16 to 22) is not read: WRONGTYPE, and it stays."""
+    """A string of a length neither form has (an even one, or an odd one
+    outside 9 to 15 and 17 to 23) is not read: WRONGTYPE, and it stays."""
     identity = new_ident("packed_wrong")
     key = rl_key("fixed", identity, lim=10, window_ms=60000)
     shared_redis.command("SET", key, "x" * length, "PX", "600000")
@@ -253,4 +255,24 @@ def test_sliding_counter_state_of_another_length_is_wrongtype(pg, shared_redis, 
     assert err.value.sqlstate == "08000"
     assert err.value.diag.message_detail.startswith("WRONGTYPE "), err.value.diag.message_detail
     assert shared_redis.command("GET", key) == "x" * length
+    shared_redis.command("DEL", key)
+
+
+def test_fixed_state_of_the_earlier_22_byte_layout_is_wrongtype(pg, shared_redis):
+    """Review: a state that earlier 1.6 builds wrote (n, w, e, l in 4, 7, 7
+    and 4 bytes: 22) used to have the length of a test-clock form, so its
+    window's number was read as an epoch and its epoch as a window's number
+    about 191 000 years ahead, locking the identity out. It is refused
+    (WRONGTYPE) and left as it was."""
+    identity = new_ident("packed_old")
+    key = rl_key("fixed", identity, lim=10, window_ms=60000)
+    now = redis_us(shared_redis)
+    shared_redis.command("EVAL", PACK, 1, key, "<I4I7I7I4", 3, now // 60000000, now, 10)
+    before = raw(shared_redis, key)
+    assert len(before) == 22
+    with pytest.raises(psycopg.errors.ConnectionException) as err:
+        fixed(pg, identity, 10, 60000)
+    assert err.value.sqlstate == "08000"
+    assert err.value.diag.message_detail.startswith("WRONGTYPE "), err.value.diag.message_detail
+    assert raw(shared_redis, key) == before
     shared_redis.command("DEL", key)
