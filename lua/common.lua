@@ -36,6 +36,8 @@
 -- Redis writes an integral one below 2^53 as an integer and any other with
 -- the digits that read back exactly (%.17g; 7.2 and later, the shortest
 -- such form), so only numbers joined into a string need formatting here.
+-- Every number read from a state goes through checked before it is used,
+-- so a state rl_redis could not have written changes nothing.
 -- A number in a string is read with "+ 0" (Lua's coercion), which parses
 -- it once (tonumber parses it twice); tonumber stays where the string may
 -- be missing.
@@ -130,6 +132,22 @@ end
 -- string that is not a state of the layout the caller reads.
 local function wrong_kind()
   error({err = 'WRONGTYPE Operation against a key holding the wrong kind of value'})
+end
+
+-- The most a time, level or backlog in a state can be: 2^53 µs (the year
+-- 2255), up to which a double holds every integer. The arguments' checks
+-- keep every number rl_redis writes far below it.
+local MAX_US = 9007199254740992
+
+-- x, a number read from a key's state, when it lies in 0 .. 2^53, as every
+-- one that rl_redis writes does; anything else (beyond, negative, NaN, or
+-- nil for text that is no number) was not written by rl_redis, and is
+-- refused as of another type before the call writes anything: taken as a
+-- clock far ahead, it would lock the identity out or make an expiry Redis
+-- refuses halfway through the call's writes.
+local function checked(x)
+  if not (x and x >= 0 and x <= MAX_US) then wrong_kind() end
+  return x
 end
 
 -- The limit of a call's arguments (as ARGV gives them; burst "0": none):

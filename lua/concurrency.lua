@@ -30,7 +30,7 @@ local held = redis.call('ZCARD', key) - gone
 -- last) ends
 local function lease_left(r)
   if r >= 0 then r = r + gone end
-  local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
+  local s = checked(redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2] + 0)
   return math.max(ms(s - now), 1)
 end
 
@@ -45,8 +45,10 @@ if dry_run then
   return {0, lim, math.max(lim - held, 0), reset, retry, now, 0}
 end
 if held < lim then
+  -- the key lives as long as its last lease, read before the first write
+  local last = lease_ms
+  if held > 0 then last = math.max(lease_left(-1), lease_ms) end
   redis.call('ZADD', key, now + lease_ms * 1000, ARGV[3])
-  local last = lease_left(-1)
   redis.call('PEXPIRE', key, last)
   return {1, lim, lim - held - 1, last, 0, now, 0}
 end

@@ -50,11 +50,12 @@ local function fixed_state(key, p, now)
     local f = string.sub(FIXED_FORMATS, 7 * k - 6, 7 * k)
     if short then
       used, lim, epoch = struct.unpack(f, v)
-      w = math.floor(epoch / wus)
+      w = math.floor(checked(epoch) / wus)
     else
       used, lim, epoch, w = struct.unpack(f .. 'I8', v)
+      checked(epoch)
     end
-    now = math.max(now, w * wus)
+    now = math.max(now, checked(w * wus))
     if math.floor(now / wus) ~= w then used, epoch, lim = 0, nil, nil end
   end
   local idx = math.floor(now / wus)

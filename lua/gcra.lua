@@ -31,7 +31,7 @@ local function gcra_state(key, p, now)
   local state = redis.pcall('HMGET', key, 'b', 'ts', 'k')
   if state.err then
     -- a 1.2 string key: its value is the TAT (rewritten, but for a dry run)
-    local tat = tonumber(redis.call('GET', key)) or now
+    local tat = checked(tonumber(redis.call('GET', key)) or now)
     if not dry_run then
       redis.call('DEL', key)
       gcra_save(key, p, math.max(tat - now, 0), now, now)
@@ -39,26 +39,25 @@ local function gcra_state(key, p, now)
     return now, math.max(tat - now, 0), 0
   end
   if not state[1] then return now, 0, 0 end
-  local ts = state[2] + 0
+  local ts = checked(tonumber(state[2]))
   now = math.max(now, ts)
-  return now, math.max(state[1] - (now - ts), 0), tonumber(state[3]) or 0
+  return now, math.max(checked(state[1] + 0) - (now - ts), 0), tonumber(state[3]) or 0
 end
 
 -- Writes the key after an allowed call of cost units of interval µs that
--- found backlog and nrec refund records and leaves backlog b: the records,
--- then the backlog (see gcra_save).
-local function gcra_write(key, p, cost, scopes, interval, backlog, b, nrec, now, real)
-  if cost < 0 and b > 0 and nrec > 0 then
+-- found backlog and the refund records recs (nil: none) and leaves backlog
+-- b: the records, then the backlog (see gcra_save).
+local function gcra_write(key, p, cost, scopes, interval, backlog, b, recs, now, real)
+  if cost < 0 and b > 0 and recs then
     local R = records()
-    local recs = R.read(key)
     R.lower(recs, b)
     R.write(key, recs)
-  elseif cost > 0 and (nrec > 0 or scopes ~= '') then
+  elseif cost > 0 and (recs or scopes ~= '') then
     local R = records()
-    local recs = {}
-    if nrec > 0 then
-      recs = R.read(key)
+    if recs then
       R.lower(recs, backlog)
+    else
+      recs = {}
     end
     R.add(recs, scopes, cost * interval, now)
     R.lower(recs, b)
@@ -94,7 +93,10 @@ local function gcra_decide(key, p, cost, real, scopes)
   local result = {1, cap, math.max(math.floor(cap - b / interval + eps), 0),
                   ms(b), 0, now, 0}
   if cost == 0 then return result, nil end
-  return result, gcra_write, key, p, cost, scopes, interval, backlog, b, nrec, now, real
+  -- the records are read here, so that the write cannot fail (see records.lua)
+  local recs = nil
+  if nrec > 0 then recs = records().read(key) end
+  return result, gcra_write, key, p, cost, scopes, interval, backlog, b, recs, now, real
 end
 
 -- Gives back a rolled-back charge on a GCRA key (see refund in common.lua).

@@ -43,14 +43,18 @@ local function records()
     return string.format('%.17g', x)
   end
 
-  -- Reads the refund records of key: {scope = {owed, last_us, original}}.
+  -- Reads the refund records of key: {scope = {owed, last_us, original}};
+  -- a record that is not two such numbers is refused (see checked). A
+  -- decide reads them before it returns its write, and a refund before its
+  -- first write, so that no write fails halfway.
   local function records_read(key)
     local recs = {}
     local all = redis.call('HGETALL', key)
     for i = 1, #all, 2 do
       if string.sub(all[i], 1, 2) == 's:' then
         local owed, last = string.match(all[i + 1], '^([^:]+):(.+)$')
-        recs[string.sub(all[i], 3)] = {tonumber(owed), tonumber(last), all[i + 1]}
+        recs[string.sub(all[i], 3)] = {checked(tonumber(owed)), checked(tonumber(last)),
+                                       all[i + 1]}
       end
     end
     return recs

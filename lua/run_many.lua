@@ -10,11 +10,11 @@
 -- error message and six zeros, and nothing is written to it: a decision
 -- fails before its first write or not at all (see common.lua), so the
 -- other keys' decisions stand.
--- pcall's returns of a decide: whether it ran and its result, applied at
--- once (see applied)
-local function decided(ok, ...)
-  if ok then return ok, applied(...) end
-  return ok, ...
+-- Decides the call on one key and applies it (see applied), both under
+-- the caller's pcall: a key whose decision or write fails is that key's
+-- error alone.
+local function decide_one(alg, key, p, cost, now, scopes)
+  return applied(alg.decide(key, p, cost, now, scopes))
 end
 
 local p = limit(ARGV[2], ARGV[3], ARGV[4])
@@ -24,7 +24,7 @@ local now = clock_us(ARGV[6])
 local reply = {}
 for i = 1, #KEYS do
   local b = (i - 1) * 7
-  local ok, result = decided(pcall(alg.decide, KEYS[i], p, cost, now, ARGV[7]))
+  local ok, result = pcall(decide_one, alg, KEYS[i], p, cost, now, ARGV[7])
   if ok then
     from_clock(result, now)
     for j = 1, 7 do

@@ -30,7 +30,8 @@ local function counter_state(key, p, now)
     if #v ~= COUNTER_BYTES then wrong_kind() end
     local sc, sp, ts
     sc, sp, ts, epoch, lim = struct.unpack(COUNTER_FORMAT, v)
-    now = math.max(now, ts)
+    checked(epoch)
+    now = math.max(now, checked(ts))
     local w = math.floor(ts / (W * 1000))
     local idx = math.floor(now / (W * 1000))
     if w == idx then

@@ -14,7 +14,7 @@
 local function log_state(key, p, now)
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
   if not newest then return now, 0, 0 end
-  now = math.max(now, newest + 0)
+  now = math.max(now, checked(newest + 0))
   local gone = 0
   if dry_run then
     gone = redis.call('ZCOUNT', key, '-inf', now - p.window_ms * 1000)

@@ -14,9 +14,9 @@ local function bucket_state(key, p, now)
   local state = redis.call('HMGET', key, 't', 'ts', 'k')
   local tokens = p.cap
   if state[1] then
-    local ts = state[2] + 0
+    local ts = checked(tonumber(state[2]))
     now = math.max(now, ts)
-    tokens = math.min(p.cap, state[1] + (now - ts) * p.lim / (p.window_ms * 1000))
+    tokens = math.min(p.cap, checked(state[1] + 0) + (now - ts) * p.lim / (p.window_ms * 1000))
   end
   return now, tokens, tonumber(state[3]) or 0
 end
@@ -34,17 +34,17 @@ local function bucket_save(key, p, have, now, real)
 end
 
 -- Writes the bucket after an allowed call of cost that found tokens and
--- nrec refund records and leaves have: the records, then the level (see
--- bucket_save).
-local function bucket_write(key, p, cost, scopes, tokens, have, nrec, now, real)
-  if have < p.cap and (nrec > 0 or (cost > 0 and scopes ~= '')) then
+-- the refund records recs (nil: none) and leaves have: the records, then
+-- the level (see bucket_save).
+local function bucket_write(key, p, cost, scopes, tokens, have, recs, now, real)
+  if have < p.cap and (recs or (cost > 0 and scopes ~= '')) then
     local R = records()
-    local recs = {}
-    if nrec > 0 then
-      recs = R.read(key)
+    if recs then
       -- an administrator's refund (cost < 0) lowers the records to the
       -- new deficit; a charge first to the old one, then adds its own
       if cost > 0 then R.lower(recs, p.cap - tokens) end
+    else
+      recs = {}
     end
     if cost > 0 then R.add(recs, scopes, tokens - have, now) end
     R.lower(recs, p.cap - have)
@@ -81,7 +81,10 @@ local function token_bucket_decide(key, p, cost, real, scopes)
   local result = {1, cap, math.floor(have + eps),
                   math.max(ms((cap - have) / rate), 0), 0, now, 0}
   if cost == 0 then return result, nil end
-  return result, bucket_write, key, p, cost, scopes, tokens, have, nrec, now, real
+  -- the records are read here, so that the write cannot fail (see records.lua)
+  local recs = nil
+  if nrec > 0 then recs = records().read(key) end
+  return result, bucket_write, key, p, cost, scopes, tokens, have, recs, now, real
 end
 
 -- Gives back a rolled-back charge on a token bucket (see refund in common.lua).
