@@ -209,7 +209,7 @@ section "e) the keys in Redis"
 say "<prefix><kind>:{<identity>}:<lim>/<window_ms> for a limit given as arguments,"
 say "<prefix><kind>:{<identity>}:<policy>:/<window_ms> for a named sliding policy: two limits on one"
 say "identity are two counters. fixed.2 = a packed string of 9 to 15 bytes (units used and the lim in"
-say "1 to 4 bytes each, the key's epoch, whose window is the state's; on the test clock 7 more bytes"
+say "1 to 4 bytes each, the key's epoch, whose window is the state's; on the test clock 8 more bytes"
 say "hold the window's number), sliding = sorted set (one member per unit, score = time in microseconds);"
 say "every key expires on its own (SET ... PX, PEXPIRE) once its window has passed."
 printf '   %-56s %-6s %s\n' key type "ttl ms"
@@ -218,9 +218,9 @@ rcli --scan --pattern 'rl:*' | sort | while read -r key; do
 done
 say "e.g. the fixed-window state of batch 2 (5 per 2000 ms), unpacked:"
 rcli EVAL "local v = redis.call('GET', KEYS[1]) if not v then return {'(expired)'} end
-local short = #v % 2 == 1
-local k = short and (#v - 7) / 2 or (#v - 14) / 2
-local n, l, e, w = struct.unpack('<I' .. k .. 'I' .. k .. 'I7' .. (short and '' or 'I7'), v)
+local short = #v <= 15
+local k = short and (#v - 7) / 2 or (#v - 15) / 2
+local n, l, e, w = struct.unpack('<I' .. k .. 'I' .. k .. 'I7' .. (short and '' or 'I8'), v)
 if short then w = math.floor(e / 2000000) end
 return {'bytes ' .. #v, 'units ' .. n, 'lim ' .. l, 'epoch ' .. string.format('%.0f', e),
 	'window ' .. string.format('%.0f', w)}" \

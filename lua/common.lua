@@ -51,6 +51,12 @@ local on_test_clock = false
 -- and what a decide would change on its way, it leaves).
 local dry_run = false
 
+-- Whether the writes of this call wait until every limit of it is decided
+-- (run_all.lua, set by it): a limit's decide must then not write on its
+-- way either, so that a later limit's refused state leaves every key as
+-- it was.
+local deferred = false
+
 -- Real milliseconds that a key written on the test clock lives at least:
 -- that clock stands still between a test's calls while Redis's expiry
 -- runs on, so a state that counts for 1 ms of the test clock must outlive

@@ -9,8 +9,8 @@
 -- taken in units (backlog / interval) against the capacity. The key expires
 -- when the backlog runs out. The key's name carries lim, window_ms and
 -- the burst (see src/keys.c), so the state needs no limit of its own.
--- (Release 1.2 kept the TAT as a plain string;
--- such a key is read once and rewritten as a hash.)
+-- (Release 1.2 kept the TAT as a plain string; such a key is read as
+-- it is, and the first call that writes replaces it by a hash.)
 -- A rolled-back charge shortens the backlog by what its scope's record
 -- still owes.
 
@@ -26,28 +26,27 @@ local function gcra_save(key, p, b, now, real)
 end
 
 -- Reads the key as of now (never earlier than ts): the backlog (µs, at
--- least 0) and the number of refund records.
+-- least 0), the number of refund records and whether the key is a 1.2
+-- string (its value the TAT), which the call's write, if any, replaces.
 local function gcra_state(key, p, now)
   local state = redis.pcall('HMGET', key, 'b', 'ts', 'k')
   if state.err then
-    -- a 1.2 string key: its value is the TAT (rewritten, but for a dry run)
     local tat = checked(tonumber(redis.call('GET', key)) or now)
-    if not dry_run then
-      redis.call('DEL', key)
-      gcra_save(key, p, math.max(tat - now, 0), now, now)
-    end
-    return now, math.max(tat - now, 0), 0
+    return now, math.max(tat - now, 0), 0, true
   end
-  if not state[1] then return now, 0, 0 end
+  if not state[1] then return now, 0, 0, false end
   local ts = checked(tonumber(state[2]))
   now = math.max(now, ts)
-  return now, math.max(checked(state[1] + 0) - (now - ts), 0), tonumber(state[3]) or 0
+  return now, math.max(checked(tonumber(state[1])) - (now - ts), 0), tonumber(state[3]) or 0,
+    false
 end
 
 -- Writes the key after an allowed call of cost units of interval µs that
 -- found backlog and the refund records recs (nil: none) and leaves backlog
--- b: the records, then the backlog (see gcra_save).
-local function gcra_write(key, p, cost, scopes, interval, backlog, b, recs, now, real)
+-- b: the records, then the backlog (see gcra_save); a 1.2 string key
+-- (legacy) is deleted first.
+local function gcra_write(key, p, cost, scopes, interval, backlog, b, recs, legacy, now, real)
+  if legacy then redis.call('DEL', key) end
   if cost < 0 and b > 0 and recs then
     local R = records()
     R.lower(recs, b)
@@ -68,7 +67,7 @@ end
 
 -- Decides a call on a GCRA key (see decide in common.lua).
 local function gcra_decide(key, p, cost, real, scopes)
-  local now, backlog, nrec = gcra_state(key, p, real)
+  local now, backlog, nrec, legacy = gcra_state(key, p, real)
   local cap = p.cap
   local interval = p.window_ms * 1000 / p.lim   -- µs per unit
   local eps = 1e-9 + cap * 1e-13                -- rounding, in units
@@ -96,7 +95,8 @@ local function gcra_decide(key, p, cost, real, scopes)
   -- the records are read here, so that the write cannot fail (see records.lua)
   local recs = nil
   if nrec > 0 then recs = records().read(key) end
-  return result, gcra_write, key, p, cost, scopes, interval, backlog, b, recs, now, real
+  return result, gcra_write, key, p, cost, scopes, interval, backlog, b, recs, legacy, now,
+    real
 end
 
 -- Gives back a rolled-back charge on a GCRA key (see refund in common.lua).

@@ -34,6 +34,7 @@ local function later(result, write, ...)
   return result, function() write(unpack(args, 1, args.n)) end
 end
 
+deferred = true
 local now = clock_us(ARGV[1])
 local commits = {}
 local results = {}

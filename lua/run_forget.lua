@@ -4,8 +4,8 @@
 -- KEYS[i]  a key the transaction charged
 -- ARGV     the transaction's scope id
 -- Returns the number of keys.
-for i = 1, #KEYS do
-  local key = KEYS[i]
+-- Drops the scope's records of one key.
+local function forget(key)
   if redis.call('EXISTS', key) == 1 then
     local recs = records().read(key)
     local gone = false
@@ -17,5 +17,12 @@ for i = 1, #KEYS do
     end
     if gone then records().write(key, recs) end
   end
+end
+
+for i = 1, #KEYS do
+  -- a key whose records Redis cannot read (not rl_redis's) keeps them and
+  -- stops no other key's forget; a key fails before its first write or
+  -- not at all (see records_read)
+  pcall(forget, KEYS[i])
 end
 return #KEYS

@@ -6,17 +6,18 @@
 -- that took it, so that a rolled-back scope removes exactly its own units
 -- that are still in the window.
 
--- Drops the units that have left the window (a dry run counts them
--- instead) and returns now (never earlier than the newest unit), the
+-- Drops the units that have left the window (a dry run, or a call whose
+-- writes are deferred, counts them instead: the write drops them, see
+-- log_drop) and returns now (never earlier than the newest unit), the
 -- number of units in the window and the number of members before them
--- (left in place by a dry run); without a key, only its newest member is
+-- (left in place when counted); without a key, only its newest member is
 -- asked for. The key's expiry counts from the newest unit.
 local function log_state(key, p, now)
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
   if not newest then return now, 0, 0 end
   now = math.max(now, checked(newest + 0))
   local gone = 0
-  if dry_run then
+  if dry_run or deferred then
     gone = redis.call('ZCOUNT', key, '-inf', now - p.window_ms * 1000)
   else
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000)
@@ -24,14 +25,23 @@ local function log_state(key, p, now)
   return now, redis.call('ZCARD', key) - gone, gone
 end
 
--- Gives back the n newest units.
-local function log_pop(key, n)
+-- Drops the gone units that log_state counted and left in place (as of
+-- now, the clock the call was decided on).
+local function log_drop(key, p, gone, now)
+  if gone > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000) end
+end
+
+-- Gives back the n newest units (and drops the gone ones, see log_drop).
+local function log_pop(key, p, n, gone, now)
+  log_drop(key, p, gone, now)
   if n > 0 then redis.call('ZPOPMAX', key, n) end
 end
 
 -- Adds the cost units of a charge taken at now, numbered from seq and
--- tagged with the charge's refund scopes, and sets the key's expiry.
-local function log_add(key, p, cost, seq, now, real, scopes)
+-- tagged with the charge's refund scopes (and drops the gone ones, see
+-- log_drop), and sets the key's expiry.
+local function log_add(key, p, cost, seq, gone, now, real, scopes)
+  log_drop(key, p, gone, now)
   -- members must be unique even for many units in one microsecond: add
   -- them in batches, with more sequence numbers for any that happened to
   -- exist already
@@ -71,14 +81,14 @@ local function sliding_decide(key, p, cost, real, scopes)
     local n = math.min(-cost, used)
     local after = used - n
     return {1, lim, math.max(lim - after, 0), log_wait(key, after - 1, after, gone, p, now),
-            0, now, 0}, log_pop, key, n
+            0, now, 0}, log_pop, key, p, n, gone, now
   end
   if used + cost <= lim then
     if cost == 0 then
       return {1, lim, lim - used, log_wait(key, -1, used, gone, p, now), 0, now, 0}, nil
     end
     return {1, lim, lim - used - cost, p.window_ms, 0, now, 0},
-      log_add, key, p, cost, used, now, real, scopes
+      log_add, key, p, cost, used, gone, now, real, scopes
   end
   local retry = -1
   if cost <= lim then

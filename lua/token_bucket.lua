@@ -16,7 +16,7 @@ local function bucket_state(key, p, now)
   if state[1] then
     local ts = checked(tonumber(state[2]))
     now = math.max(now, ts)
-    tokens = math.min(p.cap, checked(state[1] + 0) + (now - ts) * p.lim / (p.window_ms * 1000))
+    tokens = math.min(p.cap, checked(tonumber(state[1])) + (now - ts) * p.lim / (p.window_ms * 1000))
   end
   return now, tokens, tonumber(state[3]) or 0
 end

@@ -185,3 +185,121 @@ def test_several_limits_write_nothing_when_one_state_is_foreign(pg, shared_redis
     assert shared_redis.command("EXISTS", fixed_key) == 0
     assert dump(shared_redis, bucket_key) == before
     shared_redis.command("DEL", bucket_key)
+
+
+@pytest.mark.parametrize("text", ["abc", ""])
+@pytest.mark.parametrize("algorithm, function, field", [
+    ("token_bucket", "rl_token_bucket", "t"), ("gcra", "rl_gcra", "b")])
+def test_level_that_is_no_number_is_refused(pg, shared_redis, algorithm, function, field, text):
+    """Review: a bucket's level or a GCRA backlog that is text but no
+    number is WRONGTYPE as well (it used to fail on Lua's arithmetic, with
+    the script's line in the error), and the key stays."""
+    identity = new_ident("foreign_text")
+    key = rl_key(algorithm, identity, lim=10, window_ms=WINDOW_MS)
+    hashed(field, text, "ts", "NOW")(shared_redis, key)
+    before = dump(shared_redis, key)
+    refused(pg, lambda: pg.execute("SELECT * FROM %s(%%s, 10, %d)" % (function, WINDOW_MS),
+                                   (identity,)))
+    assert dump(shared_redis, key) == before
+    shared_redis.command("DEL", key)
+
+
+@pytest.fixture
+def log_and_fixed(pg):
+    """A sliding-log and a fixed-window policy with unique names, 10 per
+    minute; deleted afterwards."""
+    names = [new_ident("foreign_log"), new_ident("foreign_fixed")]
+    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES "
+               "(%s, 'sliding', 10, %s), (%s, 'fixed', 10, %s)",
+               (names[0], WINDOW_MS, names[1], WINDOW_MS))
+    yield names
+    pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
+
+
+@pytest.mark.parametrize("order", ["log_first", "fixed_first"])
+def test_several_limits_leave_a_sliding_log_as_it_was(pg, shared_redis, log_and_fixed, order):
+    """Review: rl_check_all over a sliding log (one unit that has left its
+    window, one still in it) and a fixed window whose state is foreign:
+    WRONGTYPE, and the log keeps both members (its decide used to drop the
+    unit that had left before the fixed window refused its state)."""
+    identity = new_ident("foreign_all_log")
+    log_key = rl_key("sliding", identity, policy=log_and_fixed[0], lim=10, window_ms=WINDOW_MS)
+    fixed_key = rl_key("fixed", identity, policy=log_and_fixed[1], lim=10, window_ms=WINDOW_MS)
+    now = redis_us(shared_redis)
+    shared_redis.command("ZADD", log_key, now - 2 * WINDOW_MS * 1000, "old", now - 1000000, "new")
+    shared_redis.command("PEXPIRE", log_key, 600000)
+    shared_redis.command("SET", fixed_key, "x" * 22, "PX", 600000)
+    before = dump(shared_redis, log_key)
+    policies = log_and_fixed if order == "log_first" else log_and_fixed[::-1]
+    refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (policies, identity)))
+    assert dump(shared_redis, log_key) == before
+    assert shared_redis.command("GET", fixed_key) == "x" * 22
+    shared_redis.command("DEL", log_key, fixed_key)
+
+
+@pytest.mark.parametrize("corrupt", [0, 1])
+def test_commit_forgets_every_other_key_past_a_foreign_record(pg, shared_redis, corrupt):
+    """Review: a transaction charges two token buckets of one identity (one
+    hash slot: one forget call for both) under refund_on_abort = 'all';
+    before it commits, one key gets a refund record that is no record of
+    rl_redis's. At the commit the other key's record is forgotten all the
+    same (the forget script used to stop at the refused key), and the
+    refused key stays as it was."""
+    identity = new_ident("foreign_forget")
+    keys = [rl_key("token_bucket", identity, lim=lim, window_ms=WINDOW_MS) for lim in (10, 20)]
+    set_gucs(pg, refund_on_abort="all")
+    with pg.transaction():
+        for lim in (10, 20):
+            pg.execute("SELECT rl_token_bucket(%s, %s, %s)", (identity, lim, WINDOW_MS))
+        assert all(any(f.startswith("s:") for f in shared_redis.command("HKEYS", k))
+                   for k in keys)
+        shared_redis.command("HSET", keys[corrupt], "s:zz", "-1:5")
+        before = dump(shared_redis, keys[corrupt])
+    other = keys[1 - corrupt]
+    assert [f for f in shared_redis.command("HKEYS", other) if f.startswith("s:")] == []
+    assert shared_redis.command("HGET", other, "k") == "0"
+    assert dump(shared_redis, keys[corrupt]) == before
+    shared_redis.command("DEL", *keys)
+
+
+def test_release_1_2_gcra_key_is_replaced_by_its_first_write_only(pg, shared_redis):
+    """A GCRA key of release 1.2 (a string: the TAT, µs) is read as it is:
+    10 per minute with a TAT 12 s ahead is a backlog of two units. A call
+    of cost 0 writes nothing and the key stays a string; the next call of
+    cost 1 replaces it by a hash with a backlog of three units."""
+    identity = new_ident("foreign_gcra_12")
+    key = rl_key("gcra", identity, lim=10, window_ms=WINDOW_MS)
+    shared_redis.command("SET", key, str(redis_us(shared_redis) + 12000000), "PX", 600000)
+    row = pg.execute("SELECT allowed, remaining FROM rl_gcra(%s, 10, %s, 0)",
+                     (identity, WINDOW_MS)).fetchone()
+    assert row == (True, 8)
+    assert shared_redis.command("TYPE", key) == "string"
+    row = pg.execute("SELECT allowed, remaining FROM rl_gcra(%s, 10, %s)",
+                     (identity, WINDOW_MS)).fetchone()
+    assert row == (True, 7)
+    assert shared_redis.command("TYPE", key) == "hash"
+    assert 17000000 < float(shared_redis.command("HGET", key, "b")) <= 18000000
+    shared_redis.command("DEL", key)
+
+
+def test_several_limits_leave_a_release_1_2_gcra_key_as_it_was(pg, shared_redis):
+    """Review: rl_check_all over a GCRA key of release 1.2 and a fixed
+    window whose state is foreign: WRONGTYPE, and the GCRA key is still
+    the string it was (its decide used to rewrite it as a hash before the
+    fixed window refused its state)."""
+    names = [new_ident("foreign_gcra"), new_ident("foreign_fixed")]
+    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES "
+               "(%s, 'gcra', 10, %s), (%s, 'fixed', 10, %s)",
+               (names[0], WINDOW_MS, names[1], WINDOW_MS))
+    try:
+        identity = new_ident("foreign_all_gcra")
+        gcra_key = rl_key("gcra", identity, policy=names[0], lim=10, window_ms=WINDOW_MS)
+        fixed_key = rl_key("fixed", identity, policy=names[1], lim=10, window_ms=WINDOW_MS)
+        tat = str(redis_us(shared_redis) + 5000000)
+        shared_redis.command("SET", gcra_key, tat, "PX", 600000)
+        shared_redis.command("SET", fixed_key, "x" * 22, "PX", 600000)
+        refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (names, identity)))
+        assert shared_redis.command("GET", gcra_key) == tat
+        shared_redis.command("DEL", gcra_key, fixed_key)
+    finally:
+        pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
