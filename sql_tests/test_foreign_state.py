@@ -18,6 +18,7 @@ import psycopg.errors
 import pytest
 
 from conftest import fixed_units, new_ident, rl_key, set_gucs
+from redis_topology import made_policies
 
 WINDOW_MS = 60000
 BEYOND = 2**53 + 8    # a time (µs) beyond 2^53, exact as a double
@@ -156,32 +157,27 @@ def test_batch_refuses_the_foreign_state_only(pg, shared_redis, algorithm, funct
 
 
 @pytest.fixture
-def two_policies(pg):
-    """A fixed-window and a token-bucket policy with unique names, 10 per
-    minute; deleted afterwards."""
-    names = [new_ident("foreign_fixed"), new_ident("foreign_bucket")]
-    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES "
-               "(%s, 'fixed', 10, %s), (%s, 'token_bucket', 10, %s)",
-               (names[0], WINDOW_MS, names[1], WINDOW_MS))
-    yield names
-    pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
+def policies(pg):
+    """policies(algorithm, lim, window_ms) -> a new policy's name; deleted
+    at teardown."""
+    yield from made_policies(pg, "t_foreign")
 
 
 @pytest.mark.parametrize("order", ["fixed_first", "bucket_first"])
-def test_several_limits_write_nothing_when_one_state_is_foreign(pg, shared_redis, two_policies,
-                                                                 order):
+def test_several_limits_write_nothing_when_one_state_is_foreign(pg, shared_redis, policies, order):
     """rl_check_all over a fixed window (no key yet) and a token bucket
     whose refund record is not two numbers: WRONGTYPE, and neither key is
     written, in either order of the policies (the bucket's records used to
     be read only once the fixed window's state was written)."""
+    names = [policies(a, 10, WINDOW_MS) for a in ("fixed", "token_bucket")]
     identity = new_ident("foreign_all")
-    fixed_key = rl_key("fixed", identity, policy=two_policies[0], lim=10, window_ms=WINDOW_MS)
-    bucket_key = rl_key("token_bucket", identity, policy=two_policies[1], lim=10,
+    fixed_key = rl_key("fixed", identity, policy=names[0], lim=10, window_ms=WINDOW_MS)
+    bucket_key = rl_key("token_bucket", identity, policy=names[1], lim=10,
                         window_ms=WINDOW_MS)
     hashed("t", 5, "ts", "NOW", "k", 1, "s:abc", "garbage")(shared_redis, bucket_key)
     before = dump(shared_redis, bucket_key)
-    policies = two_policies if order == "fixed_first" else two_policies[::-1]
-    refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (policies, identity)))
+    ordered = names if order == "fixed_first" else names[::-1]
+    refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (ordered, identity)))
     assert shared_redis.command("EXISTS", fixed_key) == 0
     assert dump(shared_redis, bucket_key) == before
     shared_redis.command("DEL", bucket_key)
@@ -204,34 +200,23 @@ def test_level_that_is_no_number_is_refused(pg, shared_redis, algorithm, functio
     shared_redis.command("DEL", key)
 
 
-@pytest.fixture
-def log_and_fixed(pg):
-    """A sliding-log and a fixed-window policy with unique names, 10 per
-    minute; deleted afterwards."""
-    names = [new_ident("foreign_log"), new_ident("foreign_fixed")]
-    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES "
-               "(%s, 'sliding', 10, %s), (%s, 'fixed', 10, %s)",
-               (names[0], WINDOW_MS, names[1], WINDOW_MS))
-    yield names
-    pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
-
-
 @pytest.mark.parametrize("order", ["log_first", "fixed_first"])
-def test_several_limits_leave_a_sliding_log_as_it_was(pg, shared_redis, log_and_fixed, order):
+def test_several_limits_leave_a_sliding_log_as_it_was(pg, shared_redis, policies, order):
     """Review: rl_check_all over a sliding log (one unit that has left its
     window, one still in it) and a fixed window whose state is foreign:
     WRONGTYPE, and the log keeps both members (its decide used to drop the
     unit that had left before the fixed window refused its state)."""
+    names = [policies(a, 10, WINDOW_MS) for a in ("sliding", "fixed")]
     identity = new_ident("foreign_all_log")
-    log_key = rl_key("sliding", identity, policy=log_and_fixed[0], lim=10, window_ms=WINDOW_MS)
-    fixed_key = rl_key("fixed", identity, policy=log_and_fixed[1], lim=10, window_ms=WINDOW_MS)
+    log_key = rl_key("sliding", identity, policy=names[0], lim=10, window_ms=WINDOW_MS)
+    fixed_key = rl_key("fixed", identity, policy=names[1], lim=10, window_ms=WINDOW_MS)
     now = redis_us(shared_redis)
     shared_redis.command("ZADD", log_key, now - 2 * WINDOW_MS * 1000, "old", now - 1000000, "new")
     shared_redis.command("PEXPIRE", log_key, 600000)
     shared_redis.command("SET", fixed_key, "x" * 22, "PX", 600000)
     before = dump(shared_redis, log_key)
-    policies = log_and_fixed if order == "log_first" else log_and_fixed[::-1]
-    refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (policies, identity)))
+    ordered = names if order == "log_first" else names[::-1]
+    refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (ordered, identity)))
     assert dump(shared_redis, log_key) == before
     assert shared_redis.command("GET", fixed_key) == "x" * 22
     shared_redis.command("DEL", log_key, fixed_key)
@@ -282,24 +267,18 @@ def test_release_1_2_gcra_key_is_replaced_by_its_first_write_only(pg, shared_red
     shared_redis.command("DEL", key)
 
 
-def test_several_limits_leave_a_release_1_2_gcra_key_as_it_was(pg, shared_redis):
+def test_several_limits_leave_a_release_1_2_gcra_key_as_it_was(pg, shared_redis, policies):
     """Review: rl_check_all over a GCRA key of release 1.2 and a fixed
     window whose state is foreign: WRONGTYPE, and the GCRA key is still
     the string it was (its decide used to rewrite it as a hash before the
     fixed window refused its state)."""
-    names = [new_ident("foreign_gcra"), new_ident("foreign_fixed")]
-    pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) VALUES "
-               "(%s, 'gcra', 10, %s), (%s, 'fixed', 10, %s)",
-               (names[0], WINDOW_MS, names[1], WINDOW_MS))
-    try:
-        identity = new_ident("foreign_all_gcra")
-        gcra_key = rl_key("gcra", identity, policy=names[0], lim=10, window_ms=WINDOW_MS)
-        fixed_key = rl_key("fixed", identity, policy=names[1], lim=10, window_ms=WINDOW_MS)
-        tat = str(redis_us(shared_redis) + 5000000)
-        shared_redis.command("SET", gcra_key, tat, "PX", 600000)
-        shared_redis.command("SET", fixed_key, "x" * 22, "PX", 600000)
-        refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (names, identity)))
-        assert shared_redis.command("GET", gcra_key) == tat
-        shared_redis.command("DEL", gcra_key, fixed_key)
-    finally:
-        pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
+    names = [policies(a, 10, WINDOW_MS) for a in ("gcra", "fixed")]
+    identity = new_ident("foreign_all_gcra")
+    gcra_key = rl_key("gcra", identity, policy=names[0], lim=10, window_ms=WINDOW_MS)
+    fixed_key = rl_key("fixed", identity, policy=names[1], lim=10, window_ms=WINDOW_MS)
+    tat = str(redis_us(shared_redis) + 5000000)
+    shared_redis.command("SET", gcra_key, tat, "PX", 600000)
+    shared_redis.command("SET", fixed_key, "x" * 22, "PX", 600000)
+    refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (names, identity)))
+    assert shared_redis.command("GET", gcra_key) == tat
+    shared_redis.command("DEL", gcra_key, fixed_key)

@@ -22,6 +22,7 @@ import psycopg.errors
 import pytest
 
 from conftest import fixed_state, new_ident, rl_key, set_gucs
+from redis_topology import made_policies
 
 HUGE_WINDOW_MS = 10**12
 HUGE_WINDOW_US = HUGE_WINDOW_MS * 1000
@@ -59,19 +60,12 @@ def counter_state(redis, key):
 
 @pytest.fixture
 def policy(pg):
-    """Makes fixed-window rl_policy rows with unique names; deletes them
-    afterwards."""
-    names = []
-
-    def make(lim, window_ms):
-        name = new_ident("packed")
-        pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) "
-                   "VALUES (%s, 'fixed', %s, %s)", (name, lim, window_ms))
-        names.append(name)
-        return name
-
-    yield make
-    pg.execute("DELETE FROM rl_policy WHERE name = ANY(%s)", (names,))
+    """policy(lim, window_ms) -> a new fixed-window policy's name; deleted
+    at teardown."""
+    make = made_policies(pg, "t_packed")
+    new = next(make)
+    yield lambda lim, window_ms: new("fixed", lim, window_ms)
+    next(make, None)
 
 
 @pytest.mark.parametrize("lim, cost, k", [
