@@ -14,7 +14,9 @@
 --             0 for the algorithms that do not need one)
 --     write, ...  for a call it allows that changes the state, the function
 --             that writes the new state and its arguments (none else, and
---             decide itself writes nothing): the main part applies the call
+--             decide itself writes nothing that counts: only a sliding log
+--             drops the units that have left its window, and not when the
+--             writes are deferred or in a dry run): the main part applies the call
 --             with write(...), at once (see applied; never in a dry run)
 --             or, for several limits, once all have allowed (run_all.lua);
 --             a write fills in result's epoch
@@ -36,8 +38,10 @@
 -- Redis writes an integral one below 2^53 as an integer and any other with
 -- the digits that read back exactly (%.17g; 7.2 and later, the shortest
 -- such form), so only numbers joined into a string need formatting here.
--- Every number read from a state goes through checked before it is used,
--- so a state rl_redis could not have written changes nothing.
+-- Every time, level, backlog and refund record read from a state goes
+-- through checked before it is used (counts are bounded by their fields'
+-- widths and only compared), so a state rl_redis could not have written
+-- changes nothing.
 -- A number in a string is read with "+ 0" (Lua's coercion), which parses
 -- it once (tonumber parses it twice); tonumber stays where the string may
 -- be missing.

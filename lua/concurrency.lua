@@ -18,6 +18,10 @@ local lease_ms = ARGV[2] + 0
 local now = clock_us(ARGV[4])
 dry_run = ARGV[5] ~= nil and ARGV[5] ~= ''
 local asked = dry_run and tonumber(ARGV[5]) or 1
+-- the end of the last lease (µs; nil without a key), read and checked
+-- before the first write (see checked)
+local last_end = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+if last_end then last_end = checked(last_end + 0) end
 local gone = 0
 if dry_run then
   gone = redis.call('ZCOUNT', key, '-inf', now)
@@ -29,8 +33,10 @@ local held = redis.call('ZCARD', key) - gone
 -- ms until the lease at rank r among the held ones (0 = first to end, -1 =
 -- last) ends
 local function lease_left(r)
-  if r >= 0 then r = r + gone end
-  local s = checked(redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2] + 0)
+  local s = last_end
+  if r >= 0 then
+    s = checked(redis.call('ZRANGE', key, r + gone, r + gone, 'WITHSCORES')[2] + 0)
+  end
   return math.max(ms(s - now), 1)
 end
 

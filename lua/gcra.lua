@@ -31,7 +31,7 @@ end
 local function gcra_state(key, p, now)
   local state = redis.pcall('HMGET', key, 'b', 'ts', 'k')
   if state.err then
-    local tat = checked(tonumber(redis.call('GET', key)) or now)
+    local tat = checked(tonumber(redis.call('GET', key)))
     return now, math.max(tat - now, 0), 0, true
   end
   if not state[1] then return now, 0, 0, false end

@@ -38,7 +38,7 @@ SELECT current_setting('rl_redis.port') AS port \gset
 \! redis-cli -p $RLPORT type 'rltest:gcra:{gc:c}:10/60000'
 \! redis-cli -p $RLPORT hmget 'rltest:gcra:{gc:c}:10/60000' b ts
 
--- a key of release 1.2 (a plain string) is read once and rewritten
+-- a key of release 1.2 (a plain string) is read, and replaced by the first call that writes
 SELECT rl_reset('gc:d');
 \! redis-cli -p $RLPORT set 'rltest:gcra:{gc:d}:10/60000' 1000000030000000 px 60000
 SELECT * FROM rl_gcra('gc:d', 10, 60000, 0);
