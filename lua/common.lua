@@ -44,7 +44,7 @@
 -- changes nothing.
 -- A number in a string is read with "+ 0" (Lua's coercion), which parses
 -- it once (tonumber parses it twice); tonumber stays where the string may
--- be missing.
+-- be missing or be no number (a state's fields: checked refuses the nil).
 local ALG = {}
 
 -- Whether this call runs on the test clock (rl_redis.test_clock_ms).
