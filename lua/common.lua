@@ -3,7 +3,9 @@
 -- algorithm files (src/embed_lua.sh). The "#!lua" line above (Redis 7
 -- script flags, none given) makes Redis refuse a whole script while it is
 -- out of memory, instead of letting its writes through once the first one,
--- which frees memory, has run.
+-- which frees memory, has run. (The library of Redis functions made of
+-- these files has a first line of its own, with its name, and its
+-- functions no flags either: src/embed_lua.sh.)
 --
 -- Each algorithm file adds ALG.<name> = {decide = ..., refund = ...}:
 --   decide(key, p, cost, now, scopes) reads the key's state and returns
@@ -71,6 +73,14 @@ local TEST_CLOCK_MIN_TTL_MS = 10000
 
 -- Redis's own clock in microseconds as this call read it (nil until then).
 local redis_now = nil
+
+-- Makes the four values above those of a new call. Every function of the
+-- library (src/embed_lua.sh) calls it first: Redis runs all of them in one
+-- Lua state that outlives a call, where a script sent by EVAL runs in one
+-- made for it (and needs no call of this).
+local function new_call()
+  on_test_clock, dry_run, deferred, redis_now = false, false, false, nil
+end
 
 -- Redis's own clock in microseconds (TIME, the one read of it in a call):
 -- the clock of the decisions off the test clock, and the epoch of the keys

@@ -26,8 +26,9 @@ local function split(s)
   return out
 end
 
--- The record functions below, made on a call's first use of them and kept
--- for the rest of the call: a call that meets no records makes none.
+-- The record functions below, made on the first use of them and kept (for
+-- the rest of a script's call; a library's functions keep them): a script
+-- that meets no records makes none. They keep no state of a call.
 -- records() returns {read, lower, write, add, take, top_of}.
 local records_made = nil
 local function records()

@@ -9,10 +9,10 @@
 # avoid, one to PostgreSQL and one to Redis:
 #
 #   R1 = latency(SELECT rl_X_allow(...), 1 client)
-#        / (latency(SELECT 1, 1 client) + latency(the same EVALSHA, 1 client))
+#        / (latency(SELECT 1, 1 client) + latency(the same FCALL, 1 client))
 #        target <= 1.03
 #   E8 = TPS(SELECT rl_X_allow(...), 8 clients) / H,
-#        H = 1 / (1/TPS(SELECT 1, 8 clients) + 1/TPS(the same EVALSHA, 8 clients))
+#        H = 1 / (1/TPS(SELECT 1, 8 clients) + 1/TPS(the same FCALL, 8 clients))
 #        target >= 0.90
 #
 # and the same with rl_redis.transport = shared (the calls go through the
@@ -26,8 +26,9 @@
 # 100000 per minute; for the sliding log every session raises
 # rl_redis.sliding_max_lim, 10000 by default, to 100000 through PGOPTIONS).
 # Redis side: redis-benchmark sending the very command the extension sends
-# for that call: EVALSHA of the script compiled into the library (built by
-# src/embed_lua.sh from lua/), with the same arguments, on the same key
+# for that call: FCALL of the function of the library compiled into the
+# extension (built by src/embed_lua.sh from lua/; EVALSHA of a script for
+# a baseline before 1.6), with the same arguments, on the same key
 # layout rl:<algorithm>:{bench:<n>}:100000/60000. The command is taken from Redis's
 # SLOWLOG after one call of the function, so it stays right when the
 # scripts or their arguments change.
@@ -250,7 +251,7 @@ done
 # capture ALG: prints, one argument a line, the Redis command that
 # rl_ALG_allow('bench:probe', 100000, 60000) sends (lib.sh)
 capture() {
-	rl_capture_evalsha "$RL_REDIS_PORT" "SELECT rl_${1}_allow('bench:probe', 100000, 60000)" '{bench:probe}'
+	rl_capture_call "$RL_REDIS_PORT" "SELECT rl_${1}_allow('bench:probe', 100000, 60000)" '{bench:probe}'
 }
 
 # cmd_BUILD_ALG: BUILD's command with the identity bench:__rand_int__,
@@ -448,7 +449,7 @@ raw_figures() {
 			"$(fig %.0f $(rl_values "$b/$alg.8" tps))"
 		row "  the same, transport = shared" "$(fig %.4f $(pg_lat "$b/$alg@shared"))" \
 			"$(fig %.0f $(rl_values "$b/$alg@shared.8" tps))"
-		row "redis-benchmark  EVALSHA of rl_${alg}_allow" "$(fig %.4f $(rl_values "$b/$alg.1" rlat))" \
+		row "redis-benchmark  script call of rl_${alg}_allow" "$(fig %.4f $(rl_values "$b/$alg.1" rlat))" \
 			"$(fig %.0f $(rl_values "$b/$alg.8" rrps))"
 	done
 }

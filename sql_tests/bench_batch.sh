@@ -18,7 +18,7 @@
 # and the ratios B/P (P: the better of -c 1 and -c 8; target >= 0.80) and B/S.
 # Identities are 12-digit numbers, like redis-benchmark's __rand_int__. Every
 # run starts from an empty Redis; a pgbench run must have made the script calls
-# (EVAL, EVALSHA in INFO commandstats) its transactions imply.
+# (EVAL, FCALL in INFO commandstats) its transactions imply.
 #
 # Environment: BENCH_SECONDS  length of every measured run (default 10)
 #              BENCH_ROUNDS   rounds of all runs, interleaved (default 3; medians)
@@ -80,8 +80,8 @@ for p in "${POLICIES[@]}"; do
 		die "rl_check_many('$p', <$BATCH identities>) did not allow $BATCH identities"
 done
 
-# capture SQL: prints, one argument a line, the newest EVALSHA on a key of an
-# identity probe* that SQL (run twice: the first may load the script) sends
+# capture SQL: prints, one argument a line, the newest FCALL on a key of an
+# identity probe* that SQL (run twice: the first may load the library) sends
 capture() {
 	local old
 	old=$(rcli CONFIG GET slowlog-log-slower-than | tail -1)
@@ -91,11 +91,11 @@ capture() {
 	rcli --json SLOWLOG GET 128 | /usr/bin/python3 -c '
 import json, sys
 for args in (e[3] for e in json.load(sys.stdin)):  # newest first
-    if args[0].upper() == "EVALSHA" and any("{probe" in a for a in args):
+    if args[0].upper() == "FCALL" and any("{probe" in a for a in args):
         if len(args) >= 32 or any(a.endswith("more bytes)") or "\n" in a for a in args):
             sys.exit("the command is too long for SLOWLOG: %r" % args)
         print("\n".join(args)); sys.exit(0)
-sys.exit("no EVALSHA on a key of a probe identity in SLOWLOG")'
+sys.exit("no FCALL on a key of a probe identity in SLOWLOG")'
 }
 
 # cmd_P_<policy>: rl_check's command; cmd_S_<policy>: the 500-key batch call
@@ -110,7 +110,7 @@ for p in "${POLICIES[@]}"; do
 	[ ${#two[@]} -ge 5 ] && [ "${two[2]}" = 2 ] && [ "${two[4]}" = "${two[3]//\{probe1\}/\{probe2\}}" ] ||
 		die "could not capture the command of rl_check_many('$p', ...): ${two[*]}"
 	declare -n cmd=cmd_S_$p
-	cmd=(EVALSHA "${two[1]}" $CHUNK)
+	cmd=(FCALL "${two[1]}" $CHUNK)
 	for ((i = 0; i < CHUNK; i++)); do cmd+=("${two[3]//\{probe1\}/\{__rand_int__\}}"); done
 	cmd+=("${two[@]:5}")
 	reply=$(rcli "${cmd[@]//__rand_int__/check}")
@@ -214,9 +214,9 @@ echo "decisions per second$([ "$BENCH_ROUNDS" -gt 1 ] && echo ": median of $BENC
 for p in "${POLICIES[@]}"; do
 	echo "  $p (${ALG[$p]})"
 	printf '    %-58s %s\n' "B    rl_check_many, $BATCH identities per call, 1 client" "$(fig %.0f "B.$p")" \
-		"P    EVALSHA of rl_check, redis-benchmark -P 100 -c 1" "$(fig %.0f "P1.$p")" \
-		"P    EVALSHA of rl_check, redis-benchmark -P 100 -c 8" "$(fig %.0f "P8.$p")" \
-		"S    $CHUNK-key batch EVALSHA, redis-benchmark -P $((BATCH / CHUNK)) -c 1" "$(fig %.0f "S.$p")" \
+		"P    FCALL of rl_check, redis-benchmark -P 100 -c 1" "$(fig %.0f "P1.$p")" \
+		"P    FCALL of rl_check, redis-benchmark -P 100 -c 8" "$(fig %.0f "P8.$p")" \
+		"S    $CHUNK-key batch FCALL, redis-benchmark -P $((BATCH / CHUNK)) -c 1" "$(fig %.0f "S.$p")" \
 		"1x1  rl_check one by one, $BATCH per statement" "$(fig %.0f "one.$p")"
 done
 

@@ -35,7 +35,7 @@
 # -c rl_redis.nodes=..."): the settings are superuser-only and pgbench
 # connects as the superuser postgres. Before measuring, each setup is
 # checked: SHOW gives the mode, and a call writes its key to that setup's
-# Redis and nowhere else. After every run, the script calls (EVALSHA, EVAL)
+# Redis and nowhere else. After every run, the script calls (FCALL, EVAL)
 # counted by INFO commandstats on that setup's servers must be at least the
 # transactions pgbench made, and the other servers must have seen none.
 #
@@ -221,10 +221,10 @@ reset() {
 	done
 }
 
-# script_calls PORT: EVAL and EVALSHA calls since the last CONFIG RESETSTAT
+# script_calls PORT: EVAL, EVALSHA and FCALL calls since the last CONFIG RESETSTAT
 script_calls() {
 	rport "$1" INFO commandstats | tr -d '\r' |
-		awk -F'[:=,]' '/^cmdstat_(eval|evalsha|eval_ro|evalsha_ro):/ { n += $3 } END { print n + 0 }'
+		awk -F'[:=,]' '/^cmdstat_(eval|evalsha|eval_ro|evalsha_ro|fcall|fcall_ro):/ { n += $3 } END { print n + 0 }'
 }
 
 # info_field PORT SECTION FIELD

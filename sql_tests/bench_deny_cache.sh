@@ -66,21 +66,21 @@ mkdir -p "$work" || die "cannot create $work"
 echo 'SELECT 1;' >"$work/select1.sql"
 echo "SELECT rl_allow('hot', 'abuser');" >"$work/hot.sql"
 
-# evalsha: the script calls Redis has run so far
-evalsha() {
+# script_calls: the script calls (EVAL, EVALSHA, FCALL) Redis has run so far
+script_calls() {
 	rcli INFO commandstats | tr -d '\r' |
-		awk -F'[=,:]' '/^cmdstat_eval(sha)?:/ { n += $3 } END { print n + 0 }'
+		awk -F'[=,:]' '/^cmdstat_(eval|evalsha|fcall):/ { n += $3 } END { print n + 0 }'
 }
 
 # run WORKLOAD CACHE(on|off): prints "TPS redis_calls"
 run() {
 	local before out tps
-	before=$(evalsha)
+	before=$(script_calls)
 	out=$(PGOPTIONS="-c rl_redis.deny_cache=$2" pgbench -n -M prepared -T "$BENCH_SECONDS" \
 		-c "$CLIENTS" -j 2 -f "$work/$1.sql" 2>&1) || { echo "$out" >&2; die "pgbench $1 failed"; }
 	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' <<<"$out")
 	[ -n "$tps" ] || { echo "$out" >&2; die "pgbench $1 printed no TPS"; }
-	echo "$tps $(($(evalsha) - before))"
+	echo "$tps $(($(script_calls) - before))"
 }
 
 median() {

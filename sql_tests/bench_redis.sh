@@ -5,9 +5,9 @@
 #
 # Builds and installs the extension, starts a throwaway Redis and
 # PostgreSQL (sql_tests/lib.sh) and, for each algorithm (fixed, sliding,
-# sliding_counter, token_bucket, gcra), compares in Redis the exact EVALSHA
+# sliding_counter, token_bucket, gcra), compares in Redis the exact FCALL
 # that rl_<alg>_allow(identity, LIM, WINDOW_MS) sends, captured from Redis's
-# SLOWLOG after a call through PostgreSQL (rl_capture_evalsha, as
+# SLOWLOG after a call through PostgreSQL (rl_capture_call, as
 # sql_tests/bench.sh does, so that it stays right when the scripts or their
 # arguments change), with the plain pattern for the same algorithm: the
 # Lua files in sql_tests/bench_redis/ (benchmark fixtures, not the
@@ -27,12 +27,13 @@
 #    right after its plain pattern, each from an empty Redis (FLUSHALL);
 #    the table gives per algorithm the median of the rounds and the median
 #    of the per-round ratios extension / plain (target >= 0.75), and beside
-#    them Redis's own time per EVALSHA (INFO commandstats, usec_per_call),
+#    them Redis's own time per call (INFO commandstats, usec_per_call of
+#    FCALL or EVALSHA),
 #    which depends far less on the machine's other load. With two CPUs or
 #    more, Redis runs on the last CPU and redis-benchmark on the others.
 # 2. Memory per identity: for each algorithm, BENCH_IDENTITIES distinct
 #    identities called once each (redis-cli --pipe) through the
-#    extension's EVALSHA and then through the plain pattern:
+#    extension's FCALL and then through the plain pattern:
 #    (used_memory after - before) / BENCH_IDENTITIES and the ratio (target
 #    for the fixed window: at most 1.25 times INCR + PEXPIRE).
 # 3. E8 with the plain sliding script as the Redis side (bench.sh's E8 with
@@ -40,7 +41,7 @@
 #    * (1 / TPS(SELECT 1, 8 clients) + 1 / TPS(plain sliding EVALSHA, 8
 #    connections)), target >= 0.90; pgbench -n -M prepared -T BENCH_SECONDS
 #    over TCP loopback, in every round after the Redis runs, with the Redis
-#    figure of the same round. The E8 against the extension's own EVALSHA
+#    figure of the same round. The E8 against the extension's own FCALL
 #    is printed beside it.
 #
 # LIM = 100 calls per WINDOW_MS = 1 hour, so that a token bucket's or a
@@ -119,7 +120,7 @@ mkdir -p "$work" || die "cannot create $work"
 # pattern's on the same key, both with the identity bench:__rand_int__
 
 for alg in "${ALGORITHMS[@]}"; do
-	mapfile -t probe < <(rl_capture_evalsha "$RL_REDIS_PORT" \
+	mapfile -t probe < <(rl_capture_call "$RL_REDIS_PORT" \
 		"SELECT rl_${alg}_allow('bench:probe', $LIM, $WINDOW_MS)" '{bench:probe}')
 	[ ${#probe[@]} -ge 4 ] || die "could not capture the Redis command of rl_${alg}_allow"
 	declare -n ext=cmd_ext_$alg plain=cmd_plain_$alg
@@ -148,8 +149,9 @@ run_redis() {
 	[ "$(rcli CONFIG RESETSTAT)" = OK ] || die "CONFIG RESETSTAT failed"
 	read -r rps _ < <(rl_redis_benchmark "$RL_REDIS_PORT" "$CLIENTS" "$3" "$IDENTITIES" "${cmd[@]}")
 	[ -n "${rps:-}" ] || die "redis-benchmark of the $1 command of $2 gave no figures"
-	us=$(rcli INFO commandstats | tr -d '\r' | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
-	[ -n "$us" ] || die "no EVALSHA in Redis's commandstats after the $1 command of $2"
+	us=$(rcli INFO commandstats | tr -d '\r' |
+		sed -n 's/^cmdstat_\(evalsha\|fcall\):.*usec_per_call=\([0-9.]*\).*/\2/p')
+	[ -n "$us" ] || die "no EVALSHA or FCALL in Redis's commandstats after the $1 command of $2"
 	echo "$rps $us"
 }
 
@@ -209,7 +211,7 @@ row() {
 for ((r = 1; r <= BENCH_ROUNDS; r++)); do
 	echo
 	echo "round $r of $BENCH_ROUNDS (requests per second, $CLIENTS connections; Redis's own time per"
-	echo "EVALSHA from its commandstats, microseconds)"
+	echo "call from its commandstats, microseconds)"
 	row algorithm extension plain ratio "ext. us" "plain us"
 	for alg in "${ALGORITHMS[@]}"; do
 		for side in ext plain; do
@@ -230,7 +232,7 @@ for ((r = 1; r <= BENCH_ROUNDS; r++)); do
 	e8ext[$r]=$(rl_calc "${tps[sliding.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[ext/sliding.$r]})")
 	printf '  pgbench, %d clients: SELECT 1 %.0f TPS, SELECT rl_sliding_allow(...) %.0f TPS;' \
 		"$CLIENTS" "${tps[select1.$r]}" "${tps[sliding.$r]}"
-	printf ' E8 %.3f (plain sliding), %.3f (its own EVALSHA)\n' "${e8[$r]}" "${e8ext[$r]}"
+	printf ' E8 %.3f (plain sliding), %.3f (its own FCALL)\n' "${e8[$r]}" "${e8ext[$r]}"
 done
 
 echo
@@ -313,11 +315,11 @@ done
 
 echo
 echo "E8 = TPS(SELECT rl_sliding_allow(...), $CLIENTS clients) * (1 / TPS(SELECT 1, $CLIENTS clients)"
-echo "     + 1 / TPS(EVALSHA, $CLIENTS connections)); pgbench -T $BENCH_SECONDS, median of $BENCH_ROUNDS round(s)"
+echo "     + 1 / TPS(Redis call, $CLIENTS connections)); pgbench -T $BENCH_SECONDS, median of $BENCH_ROUNDS round(s)"
 printf '  %-34s %8.3f %8s  %-8s %s\n' "with the plain sliding EVALSHA" \
 	"$(rl_median "${e8[@]}")" ">= $E8_TARGET" "$(verdict "$(rl_median "${e8[@]}")" ">=" "$E8_TARGET")" \
 	"$(fmt3 "${e8[@]}")"
-printf '  %-34s %8.3f %8s  %-8s %s\n' "with its own EVALSHA (as bench.sh)" \
+printf '  %-34s %8.3f %8s  %-8s %s\n' "with its own FCALL (as bench.sh)" \
 	"$(rl_median "${e8ext[@]}")" "" "" "$(fmt3 "${e8ext[@]}")"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) (after the runs)"
 exit 0

@@ -122,12 +122,13 @@ rl_cluster_stop() {
 	RL_DIR=
 }
 
-# Prints, one argument a line, the EVALSHA that the statement SQL sends to
-# the Redis on PORT on a key holding TAG, as SLOWLOG records it (the second
-# of two runs of SQL: the first may have to load the script); psql must
-# reach the PostgreSQL that sends it. The benchmarks replay this command so
-# that it stays right when the scripts or their arguments change.
-rl_capture_evalsha() {
+# Prints, one argument a line, the script call (FCALL; EVALSHA for a build
+# before release 1.6) that the statement SQL sends to the Redis on PORT on
+# a key holding TAG, as SLOWLOG records it (the second of two runs of SQL:
+# the first may have to load the library); psql must reach the PostgreSQL
+# that sends it. The benchmarks replay this command so that it stays right
+# when the scripts or their arguments change.
+rl_capture_call() {
 	local port=$1 sql=$2 tag=$3 old
 	old=$("$RL_REDIS_CLI" -p "$port" CONFIG GET slowlog-log-slower-than | tail -1)
 	"$RL_REDIS_CLI" -p "$port" CONFIG SET slowlog-log-slower-than 0 >/dev/null &&
@@ -139,12 +140,12 @@ import json, os, sys
 tag = os.environ["RL_TAG"]
 for entry in json.load(sys.stdin):          # newest first
     args = entry[3]
-    if args and args[0].upper() == "EVALSHA" and any(tag in a for a in args):
+    if args and args[0].upper() in ("FCALL", "EVALSHA") and any(tag in a for a in args):
         if len(args) >= 32 or any(a.endswith("more bytes)") or "\n" in a for a in args):
             sys.exit("the command is too long for SLOWLOG: %r" % args)
         print("\n".join(args))
         sys.exit(0)
-sys.exit("no EVALSHA on a key holding %s in SLOWLOG" % tag)
+sys.exit("no FCALL or EVALSHA on a key holding %s in SLOWLOG" % tag)
 '
 }
 

@@ -14,12 +14,13 @@ cost above the limit, time moving on), order and duplicates over several
 and privileges, exact limits under 8 concurrent sessions, refunds on abort,
 rl_redis.on_error with a dead Redis, a key Redis cannot decide (only its
 row falls back), a hung Redis (command_timeout and pg_cancel_backend),
-command_timeout bounding each wait of a long batch, SCRIPT FLUSH between batches, Redis Cluster (2 000
+command_timeout bounding each wait of a long batch, FUNCTION FLUSH between batches, Redis Cluster (2 000
 identities on 3 masters, one connection per master), rl_redis_stats and
 rl_redis.track_denials.
 
-Regressions of the 1.5 review: SCRIPT FLUSH before a batch of 200 000
-identities under on_error = 'deny' (every NOSCRIPT call goes again in one
+Regressions of the 1.5 review: FUNCTION FLUSH (SCRIPT FLUSH then) before a
+batch of 200 000 identities under on_error = 'deny' (every call that found
+no function goes again in one
 more pipeline: all allowed, at most one WARNING); the backend's peak memory
 (VmHWM from /proc) over a batch of 1 000 000 identities (< 150 MB more:
 pipeline rounds of about 10 000 keys); track_denials over 200 000 copies
@@ -162,12 +163,13 @@ def collect_warnings(conn):
 
 
 def script_calls_seen(server):
-    """The numkeys of every EVAL/EVALSHA in server's slow log, oldest first,
-    with the client address of each (needs slowlog-log-slower-than 0)."""
+    """The numkeys of every script call (EVAL, FCALL) in server's slow log,
+    oldest first, with the client address of each (needs
+    slowlog-log-slower-than 0)."""
     out = []
     for entry in reversed(server.command("SLOWLOG", "GET", "100000")):
         args = entry[3]
-        if args and args[0].lower() in ("eval", "evalsha"):
+        if args and args[0].lower() in ("eval", "evalsha", "fcall"):
             out.append((int(args[2]), entry[4]))
     return out
 
@@ -179,10 +181,10 @@ def info_field(server, section, field):
     return None
 
 
-def error_count(server, prefix):
-    """How many error replies starting with prefix the server sent."""
-    stats = info_field(server, "errorstats", "errorstat_%s" % prefix)
-    return int(stats.split("=", 1)[1]) if stats else 0
+def library_loads(server):
+    """How many times the server ran FUNCTION LOAD (INFO commandstats)."""
+    stats = info_field(server, "commandstats", "cmdstat_function|load")
+    return int(stats.split("calls=", 1)[1].split(",", 1)[0]) if stats else 0
 
 
 def clients_from(node, ports):
@@ -300,11 +302,13 @@ def test_order_and_duplicates_over_several_calls(redis_factory):
     """1 200 elements (400 identities, 3 times each, shuffled) on lim 3 and
     then the same again: the rows come in the input order, the first batch
     allows everything, the second denies everything; Redis saw script calls
-    of 500, 500 and 200 keys per batch, from one connection."""
+    of 500, 500 and 200 keys per batch, from one connection (which loaded
+    the library before)."""
     r = redis_factory(extra_args=["--slowlog-log-slower-than", "0", "--slowlog-max-len", "100000"])
     conn = pg_connect()
     try:
         use_redis(conn, r, test_clock_ms=TEST_CLOCK_MS)
+        assert many(conn, "fixed", [new_ident("warm")], 3, 60000)[0][1] is True
         idents = with_repeats(new_ident("order"), 400, 3, seed=1)
         assert len(idents) == 1200
         r.command("SLOWLOG", "RESET")
@@ -807,7 +811,7 @@ def test_hung_redis_cancel(pg, redis_factory):
         victim_conn.close()
 
 
-# ---------------------------------------------------------------- NOSCRIPT
+# ------------------------------------------------------- the library flushed
 
 
 def test_command_timeout_bounds_each_wait_not_the_batch(redis_factory):
@@ -833,10 +837,11 @@ def test_command_timeout_bounds_each_wait_not_the_batch(redis_factory):
 
 
 @pytest.mark.parametrize("algorithm", ["fixed", "sliding"])
-def test_script_flush_between_batches(redis_factory, algorithm):
-    """SCRIPT FLUSH between two batches of 1 100 elements: the second batch
-    still decides right (its calls get NOSCRIPT and go again as EVAL), and
-    each element is counted exactly once in Redis."""
+def test_function_flush_between_batches(redis_factory, algorithm):
+    """FUNCTION FLUSH between two batches of 1 100 elements: the second
+    batch still decides right (its calls get "Function not found" and go
+    again behind FUNCTION LOAD), and each element is counted exactly once
+    in Redis."""
     r = redis_factory()
     conn = pg_connect()
     try:
@@ -844,12 +849,12 @@ def test_script_flush_between_batches(redis_factory, algorithm):
         idents = ["%s:%d" % (new_ident("flush"), i) for i in range(550)]
         rows = many(conn, algorithm, idents + idents, 5, 60000)
         assert [(x[1], x[3]) for x in rows] == [(True, 4)] * 550 + [(True, 3)] * 550
-        noscript_before = error_count(r, "NOSCRIPT")
-        r.command("SCRIPT", "FLUSH")
+        loads_before = library_loads(r)
+        r.command("FUNCTION", "FLUSH")
         rows = many(conn, algorithm, idents + list(reversed(idents)), 5, 60000)
         assert [x[0] for x in rows] == idents + list(reversed(idents))
         assert [(x[1], x[3]) for x in rows] == [(True, 2)] * 550 + [(True, 1)] * 550
-        assert error_count(r, "NOSCRIPT") > noscript_before  # the path was taken
+        assert library_loads(r) == loads_before + 1  # the path was taken, once
         rows = many(conn, algorithm, idents[:3] * 2, 5, 60000)
         assert [(x[1], x[3]) for x in rows] == [(True, 0)] * 3 + [(False, 0)] * 3
         for ident in idents:
@@ -863,11 +868,11 @@ def test_script_flush_between_batches(redis_factory, algorithm):
         conn.close()
 
 
-def test_script_flush_before_a_large_batch_under_deny(redis_factory, policies):
-    """on_error = 'deny', command_timeout 5 s: SCRIPT FLUSH after a first
-    batch (the connection knows the script), then rl_check_many of 200 000
-    fresh identities (lim 1 000 000): the calls Redis answers NOSCRIPT go
-    again in one more pipeline (the script sent first), so every identity
+def test_function_flush_before_a_large_batch_under_deny(redis_factory, policies):
+    """on_error = 'deny', command_timeout 5 s: FUNCTION FLUSH after a first
+    batch (the connection knows the library), then rl_check_many of 200 000
+    fresh identities (lim 1 000 000): the calls Redis answers "Function not
+    found" go again in one more pipeline (the library sent first), so every identity
     is allowed and counted once, with at most one WARNING. They used to go
     again one by one until command_timeout, and about half the batch was
     denied by the fallback, with hundreds of warnings. (With 500 ms, a
@@ -881,8 +886,8 @@ def test_script_flush_before_a_large_batch_under_deny(redis_factory, policies):
         use_redis(conn, r, test_clock_ms=TEST_CLOCK_MS, on_error="deny", command_timeout=5000)
         base = new_ident("flushbig")
         assert check_many(conn, policy, [base])[0][1:4] == (True, 1000000, 999999)
-        noscript_before = error_count(r, "NOSCRIPT")
-        r.command("SCRIPT", "FLUSH")
+        loads_before = library_loads(r)
+        r.command("FUNCTION", "FLUSH")
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE allowed), count(*) FILTER (WHERE NOT allowed), "
             "count(*) FILTER (WHERE remaining = 999999) "
@@ -890,7 +895,7 @@ def test_script_flush_before_a_large_batch_under_deny(redis_factory, policies):
             (policy, base, n)).fetchone()
         assert row == (n, 0, n)
         assert len(warnings()) <= 1, "%d warnings, the first: %r" % (len(warnings()), warnings()[:1])
-        assert error_count(r, "NOSCRIPT") > noscript_before  # the path was taken
+        assert library_loads(r) == loads_before + 1  # the path was taken, once
         assert r.command("DBSIZE") == n + 1
         for i in (1, 2, n // 2, n - 1, n):
             key = rl_key("fixed", "%s:%d" % (base, i), policy=policy, lim=1000000, window_ms=3600000)
@@ -1168,9 +1173,9 @@ def test_track_denials_of_a_huge_batch_hold_redis_briefly(redis_factory, policie
         # (Redis 7.0 logs the commands a script runs too: 50 000 GETs)
         log = r.command("SLOWLOG", "GET", "1000000")
         assert len(log) < 1000000  # the whole statement is in it
-        scripts = [e for e in log if e[3][0].lower() in ("eval", "evalsha")]
+        scripts = [e for e in log if e[3][0].lower() in ("eval", "evalsha", "fcall")]
         notes = [e for e in scripts if len(e[3]) > 3 and e[3][3].startswith("rl:denials:")]
-        # one call (an EVALSHA answered NOSCRIPT may come before it), with
+        # one call (an FCALL answered "Function not found" may come before it), with
         # the one identity and its number
         assert 1 <= len(notes) <= 2, [e[3][:4] for e in notes]
         assert max(logged_args(e) for e in notes) <= 10, [e[3] for e in notes]

@@ -239,12 +239,12 @@ def basic_reply(args):
 
 def cluster_handler(slots, script):
     """A fake cluster node: CLUSTER SLOTS -> slots(server) (bytes), a script
-    call (EVALSHA/EVAL) -> script(server, args)."""
+    call (FCALL, EVAL, EVALSHA) -> script(server, args)."""
     def handle(server, args):
         word = args[0].upper()
         if word == "CLUSTER" and len(args) > 1 and args[1].upper() == "SLOTS":
             return slots(server)
-        if word in ("EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"):
+        if word in ("FCALL", "FCALL_RO", "EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"):
             if len(args) < 4:  # not a script call with a key (a garbled command)
                 return r_err("ERR wrong number of arguments for '%s' command" % args[0])
             return script(server, args)
@@ -491,7 +491,7 @@ def test_moved_with_empty_host_goes_to_the_asking_nodes_host(session, fakes, sol
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True, value
     assert fixed_units(solo_node.command("GET", fixed_key(identity))) == "1"
-    assert seed.count("EVALSHA") + seed.count("EVAL") >= 1, "the fake seed was never asked"
+    assert seed.count("FCALL") + seed.count("EVAL") >= 1, "the fake seed was never asked"
     value, _ = timed(conn, FIXED, (identity, HUGE_WINDOW_MS))
     assert value is True, value
     assert fixed_units(solo_node.command("GET", fixed_key(identity))) == "2"
@@ -518,7 +518,8 @@ def test_socket_paths_from_replies_are_refused(session, fakes, sock_dir, how):
     gets an 08 error (on_error = error) and the deny decision (on_error =
     deny); nobody ever connects to the socket; the backend stays usable."""
     path = os.path.join(sock_dir, "x.sock")
-    trap = fakes(lambda s, args: decision() if args[0].upper().startswith("EVAL") else basic_reply(args),
+    trap = fakes(lambda s, args: decision() if args[0].upper() in ("FCALL", "EVAL", "EVALSHA")
+                 else basic_reply(args),
                  unix_path=path)
     if how == "sentinel":
         liar = fakes(sentinel_handler(SentinelTarget(1, host=path)))

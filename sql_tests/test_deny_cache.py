@@ -30,7 +30,7 @@ not.
 
 Every test but the wall-clock one freezes time with rl_redis.test_clock_ms
 (the cache's clock too), and every test that says whether Redis was asked
-counts the script calls (EVAL/EVALSHA) its own redis-server ran, from
+counts the script calls (EVAL, EVALSHA, FCALL) its own redis-server ran, from
 INFO commandstats. The model test runs random sequences of every algorithm
 with and without the cache side by side and predicts the cache exactly.
 """
@@ -68,12 +68,13 @@ COUNTERS = ("calls", "allowed", "denied", "units_taken", "units_refunded", "erro
 
 
 def script_calls(server):
-    """How many rate-limit scripts server has run: EVAL and EVALSHA calls
-    that did not fail (a NOSCRIPT EVALSHA is followed by an EVAL)."""
+    """How many rate-limit scripts server has run: EVAL, EVALSHA and FCALL
+    calls that did not fail (an FCALL that found no function is sent again
+    behind FUNCTION LOAD)."""
     total = 0
     for line in server.command("INFO", "commandstats").splitlines():
         name, _, fields = line.partition(":")
-        if name in ("cmdstat_eval", "cmdstat_evalsha"):
+        if name in ("cmdstat_eval", "cmdstat_evalsha", "cmdstat_fcall"):
             f = dict(p.split("=", 1) for p in fields.split(","))
             total += int(f["calls"]) - int(f["failed_calls"]) - int(f["rejected_calls"])
     return total

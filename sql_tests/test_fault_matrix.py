@@ -6,10 +6,10 @@ took (bounds are generous: the suite runs on small, loaded machines), and
 that the same backend (same pid) still makes real decisions afterwards.
 
   1. CLIENT KILL between calls                 -> next calls just work
-  2. FLUSHALL between calls                    -> fresh state, scripts fine
+  2. FLUSHALL between calls                    -> fresh state, functions fine
   3. maxmemory + noeviction, memory full       -> 08000 OOM / allow / deny
   4. pointed at a read-only replica            -> 08000 READONLY
-  5. wrong password; ACL user without EVALSHA  -> 08001 / 08000 NOPERM,
+  5. wrong password; ACL user without scripting-> 08001 / 08000 NOPERM,
                                                   never the password
   6. AOF persistence across SHUTDOWN + restart -> counts kept
   7. blackholed address (SYNs dropped)         -> 08001 after connect_timeout;
@@ -129,7 +129,7 @@ def script_clients(server):
     ids = []
     for line in server.command("CLIENT", "LIST", "TYPE", "normal").splitlines():
         fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-        if fields.get("cmd") in ("evalsha", "eval"):
+        if fields.get("cmd") in ("evalsha", "eval", "fcall"):
             ids.append(int(fields["id"]))
     return ids
 
@@ -169,20 +169,15 @@ def test_client_kill_between_calls(pg, redis_factory):
 # ------------------------------------------------------- 2. FLUSHALL
 
 
-def script_shas(server):
-    """SHA1s of the scripts the backend ran by EVALSHA, from the slow log
-    (the server runs with slowlog-log-slower-than 0)."""
-    shas = set()
-    for entry in server.command("SLOWLOG", "GET", "128"):
-        args = entry[3]
-        if args and args[0].lower() == "evalsha":
-            shas.add(args[1])
-    return shas
+def library_names(server):
+    """The names of the function libraries the server holds."""
+    return [lib[lib.index("library_name") + 1] for lib in server.command("FUNCTION", "LIST")]
 
 
-@pytest.mark.parametrize("flush", ["FLUSHALL", "FLUSHALL ASYNC", "FLUSHALL+SCRIPT FLUSH"])
+@pytest.mark.parametrize("flush", ["FLUSHALL", "FLUSHALL ASYNC", "FLUSHALL+FUNCTION FLUSH",
+                                   "FLUSHALL+SCRIPT FLUSH"])
 def test_flushall_between_calls(pg, redis_factory, flush):
-    r = redis_factory(extra_args=["--slowlog-log-slower-than", "0", "--slowlog-max-len", "1024"])
+    r = redis_factory()
     use_redis(pg, r, on_error="error")
     notices = collect_notices(pg)
     pid = pg.info.backend_pid
@@ -198,14 +193,13 @@ def test_flushall_between_calls(pg, redis_factory, flush):
 
     for alg in queries:
         assert [decide(alg) for _ in range(3)] == [(True, 4), (True, 3), (True, 2)]
-    shas = script_shas(r)
-    assert len(shas) == 2, shas
+    libraries = library_names(r)
+    assert len(libraries) == 1, libraries
 
     for word in flush.split("+"):
         assert r.cli(*word.split()) == "OK"
     assert int(r.cli("DBSIZE")) == 0
-    scripts_flushed = "SCRIPT" in flush
-    evals_before = command_calls(r, "eval")
+    loads_before = command_calls(r, "function|load")
 
     for alg in queries:
         row, elapsed = timed(decide, alg)
@@ -215,15 +209,11 @@ def test_flushall_between_calls(pg, redis_factory, flush):
         assert decide(alg) == (True, 3)
     assert warnings_of(notices) == []
 
-    # the scripts are in Redis's cache again (or never left it: Redis 7.0's
-    # FLUSHALL keeps them), and were sent as EVAL at most once each
-    exists = r.command("SCRIPT", "EXISTS", *sorted(shas))
-    assert exists == [1, 1], exists
-    evals = command_calls(r, "eval") - evals_before
-    if scripts_flushed:
-        assert evals == 2, evals
-    else:
-        assert evals <= 2, evals
+    # the library is there again (or never left: FLUSHALL and SCRIPT FLUSH
+    # keep it), loaded once when it was flushed
+    assert library_names(r) == libraries
+    loads = command_calls(r, "function|load") - loads_before
+    assert loads == (1 if "FUNCTION" in flush else 0), loads
     assert_usable(pg, pid)
 
 
@@ -428,17 +418,17 @@ def test_wrong_password_never_shown(pg, redis_factory, on_error):
     assert int(r.cli("EXISTS", allow_key(identity))) == 0
 
 
-def test_acl_user_without_evalsha(pg, redis_factory):
+def test_acl_user_without_scripting(pg, redis_factory):
     r = redis_factory(password=REDIS_PASSWORD)
     assert r.cli("ACL", "SETUSER", "limited", "on", ">" + ACL_PASSWORD, "~*",
-                 "+@all", "-evalsha", "-eval") == "OK"
+                 "+@all", "-@scripting") == "OK"
     use_redis(pg, r, on_error="error", username="limited", password=ACL_PASSWORD)
     pid = pg.info.backend_pid
     identity = new_ident("noperm")
 
     for query in (ALLOW, "SELECT rl_fixed(%s, 5, 60000)"):
         err, elapsed = timed_error(pg, query, (identity,))
-        note("5 ACL without EVALSHA", query, elapsed)
+        note("5 ACL without scripting", query, elapsed)
         assert err.sqlstate == "08000", repr(err)
         assert err.diag.message_primary == "Redis at 127.0.0.1:%d returned an error" % r.port, \
             err.diag.message_primary

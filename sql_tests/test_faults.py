@@ -288,7 +288,10 @@ def test_redis_restart_on_error_allow(pg, redis_factory):
     assert int(r.cli("EXISTS", allow_key(identity))) == 1
 
 
-def test_script_flush_is_transparent(pg, redis_factory):
+@pytest.mark.parametrize("flush", ["FUNCTION", "SCRIPT"])
+def test_script_flush_is_transparent(pg, redis_factory, flush):
+    """FUNCTION FLUSH (the library gone: the next call loads it) or SCRIPT
+    FLUSH (the scripts that go by EVAL gone) between calls: nothing seen."""
     r = redis_factory()
     use_redis(pg, r, on_error="error")
     notices = collect_notices(pg)
@@ -298,7 +301,7 @@ def test_script_flush_is_transparent(pg, redis_factory):
         identity = new_ident("flush")
         t0 = r.time_ms()
         first = pg.execute(query, (identity, LONG_WINDOW_MS)).fetchone()
-        assert r.cli("SCRIPT", "FLUSH") == "OK"
+        assert r.cli(flush, "FLUSH") == "OK"
         second = pg.execute(query, (identity, LONG_WINDOW_MS)).fetchone()
         t1 = r.time_ms()
         if t0 // LONG_WINDOW_MS == t1 // LONG_WINDOW_MS:
@@ -309,9 +312,9 @@ def test_script_flush_is_transparent(pg, redis_factory):
     assert second == (True, 3)
     assert warnings_of(notices) == []
     # flushing twice in a row, with the sliding script too
-    assert r.cli("SCRIPT", "FLUSH") == "OK"
+    assert r.cli(flush, "FLUSH") == "OK"
     assert allow(pg, identity) is True
-    assert r.cli("SCRIPT", "FLUSH") == "OK"
+    assert r.cli(flush, "FLUSH") == "OK"
     assert allow(pg, identity) is True
 
 

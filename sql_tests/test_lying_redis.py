@@ -20,7 +20,7 @@ PROTOCOL_VIOLATION = "08P01"
 
 class LyingRedis:
     """Accepts connections; answers PING, AUTH and SELECT normally and every
-    other command (EVALSHA, EVAL, ...) with `reply` (raw RESP bytes)."""
+    other command (FCALL, EVAL, ...) with `reply` (raw RESP bytes)."""
 
     def __init__(self, reply):
         self.reply = reply

@@ -25,16 +25,17 @@ replies over a slot's 2 KB (rl_check_all of 80 policies, a statement guard
 over 70 tenants, rl_top_denied); cancel, statement_timeout and the
 session's own wait bound with Redis paused, with no stale reply afterwards;
 the worker killed with calls taken and queued, and under load; a full
-queue; the worker reconnecting (SCRIPT FLUSH, Redis restarted, CLIENT
+queue; the worker reconnecting (FUNCTION FLUSH, Redis restarted, CLIENT
 KILL), its idle_timeout and a reload that moves it to another Redis; no
 worker at all (library not preloaded).
 
 Regressions of the 1.5 review: with transport = shared in postgresql.conf
-(the worker reads it too) the worker's own NOSCRIPT retries go on its own
-connection, not into its own queue (a call after SCRIPT FLUSH answers
-within 500 ms), and several scripts Redis does not know in one worker
-round (3 sessions, fixed, sliding and gcra, Redis held by CLIENT PAUSE)
-each go as EVAL, after a new worker or a SCRIPT FLUSH; the rollback refund
+(the worker reads it too) the worker's own retries of a call whose
+function Redis lacks go on its own connection, not into its own queue (a
+call after FUNCTION FLUSH answers within 500 ms), and several calls of
+functions Redis does not have in one worker round (3 sessions, fixed,
+sliding and gcra, Redis held by CLIENT PAUSE) all run, after a new worker
+or a FUNCTION FLUSH; the rollback refund
 of 300 keys is cut to what a slot holds and handed to the worker (every
 key's quota back, the session never connected); rl_redis.shared_queue_size
 in the postgresql.conf of a server without preloading warns no session.
@@ -920,8 +921,8 @@ def test_large_reply_top_denied(shared_server, sessions, policies):
 
 def test_worker_reconnects(clusters):
     """The worker's connection lost three ways, shared sessions with
-    on_error = 'error': SCRIPT FLUSH (4 sessions at once, NOSCRIPT in one
-    pipeline), Redis restarted, CLIENT KILL of every client: the next calls
+    on_error = 'error': FUNCTION FLUSH (4 sessions at once, "Function not
+    found" in one pipeline), Redis restarted, CLIENT KILL of every client: the next calls
     decide exactly, all through the worker (no session connects)."""
     server, redis = clusters()
     server.worker_pid()  # a first call under the shared transport starts it
@@ -932,7 +933,7 @@ def test_worker_reconnects(clusters):
         assert explicit(conns[0], "fixed", base, 5, 60000)[:3] == (True, 5, 4)
         for round_, lose in enumerate(["flush", "restart", "kill"]):
             if lose == "flush":
-                redis.command("SCRIPT", "FLUSH")
+                redis.command("FUNCTION", "FLUSH")
             elif lose == "restart":
                 redis.stop()
                 redis.start()
@@ -956,10 +957,10 @@ def test_worker_reconnects(clusters):
 
 def test_worker_retries_on_its_own_connection(clusters):
     """rl_redis.transport = shared in postgresql.conf, so that the worker
-    reads it too. After SCRIPT FLUSH the worker's call gets NOSCRIPT and
-    goes again on the worker's own connection, never into the worker's own
-    queue (where it waited for itself connect_timeout + command_timeout =
-    4 s, and failed). Three times: SCRIPT FLUSH, then a call that returns
+    reads it too. After FUNCTION FLUSH the worker's call gets "Function not
+    found" and goes again on the worker's own connection, never into the
+    worker's own queue (where it waited for itself connect_timeout +
+    command_timeout = 4 s, and failed). Three times: FUNCTION FLUSH, then a call that returns
     its exact decision within 500 ms; all through the worker, nothing in
     the server's log about a timeout."""
     server, redis = clusters(transport="shared")
@@ -972,7 +973,7 @@ def test_worker_retries_on_its_own_connection(clusters):
         worker = server.worker_pid()
         assert server.clients() == {worker: 1}
         for k in range(3):
-            redis.command("SCRIPT", "FLUSH")
+            redis.command("FUNCTION", "FLUSH")
             t0 = time.monotonic()
             row = explicit(conn, "fixed", ident, 10, 60000)
             elapsed = time.monotonic() - t0
@@ -988,12 +989,12 @@ def test_worker_retries_on_its_own_connection(clusters):
 @pytest.mark.parametrize("lose", ["restart", "flush"])
 def test_unknown_scripts_in_one_worker_round(clusters, lose):
     """rl_redis.transport = shared in postgresql.conf. The worker's
-    connection knows none of the scripts Redis lacks (restart: a new worker
-    after SIGTERM, and SCRIPT FLUSH) or believes it knows them all (flush:
-    SCRIPT FLUSH after every script ran). Redis held by CLIENT PAUSE 1000,
-    3 sessions call fixed, sliding and gcra at once, so that scripts Redis
-    does not know go together in one worker round (each must go as EVAL,
-    not only the first of the round). Each session gets its exact decision
+    connection does not know the library Redis lacks (restart: a new worker
+    after SIGTERM, and FUNCTION FLUSH) or believes it knows it (flush:
+    FUNCTION FLUSH after every script ran). Redis held by CLIENT PAUSE 1000,
+    3 sessions call fixed, sliding and gcra at once, so that calls of
+    functions Redis does not have go together in one worker round (each
+    must run, not only the first of the round). Each session gets its exact decision
     (the row of a backend session) within 1.5 s of the pause's end, through
     the worker; nothing in the server's log about a timeout."""
     server, redis = clusters(transport="shared", worker_restart_interval=WORKER_RESTART_S)
@@ -1011,7 +1012,7 @@ def test_unknown_scripts_in_one_worker_round(clusters, lose):
             new = wait_for(lambda: [p for p in server.worker_pids() if p != worker],
                            WORKER_RESTART_S + 9.0, "a new worker")
             worker = new[0]
-        redis.command("SCRIPT", "FLUSH")
+        redis.command("FUNCTION", "FLUSH")
         pause_s = 1.0
         redis.command("CLIENT", "PAUSE", str(int(pause_s * 1000)))
         t_pause = time.monotonic()

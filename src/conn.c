@@ -224,7 +224,7 @@ rl_conn_info(int n, RlConnInfo *info)
 	info->kind = conn->kind;
 	info->open = conn->ready && conn->sock != PGINVALID_SOCKET && !conn->shut;
 	info->queued = conn->queue_count;
-	info->scripts_loaded = pg_popcount32(conn->scripts_loaded);
+	info->scripts_loaded = conn->library_loaded ? RL_NUM_SCRIPTS : 0;
 	if (conn->breaker.outage_start != 0)
 	{
 		info->failing_since = conn->breaker.outage_start;
@@ -239,25 +239,28 @@ rl_conn_info(int n, RlConnInfo *info)
 	return true;
 }
 
-/* Notes that script id is loaded on conn's server (it just ran there). */
+/*
+ * Notes that the function library is loaded on conn's server (it was
+ * loaded, or one of its functions just ran there).
+ */
 void
-rl_conn_script_loaded(RlConn *conn, int id)
+rl_conn_library_loaded(RlConn *conn)
 {
-	conn->scripts_loaded |= (uint32) 1 << id;
+	conn->library_loaded = true;
 }
 
-/* Notes that script id is not loaded on conn's server (NOSCRIPT). */
+/* Notes that the library is not loaded on conn's server ("not found"). */
 void
-rl_conn_script_forget(RlConn *conn, int id)
+rl_conn_library_forget(RlConn *conn)
 {
-	conn->scripts_loaded &= ~((uint32) 1 << id);
+	conn->library_loaded = false;
 }
 
-/* True when script id is known loaded on conn's server. */
+/* True when the library is known loaded on conn's server. */
 bool
-rl_conn_script_known(RlConn *conn, int id)
+rl_conn_library_known(RlConn *conn)
 {
-	return (conn->scripts_loaded & ((uint32) 1 << id)) != 0;
+	return conn->library_loaded;
 }
 
 /* The host name (or address, or socket path) conn was made for. */

@@ -40,8 +40,8 @@ struct RlConn
 	char		host[RL_ADDRESS_LEN];	/* host name, address or socket path */
 	int			port;
 	uint64		settings_seen;	/* settings_version when last compared */
-	uint32		scripts_loaded; /* bit per RlScript.id: known loaded on the
-								 * server since this connection was made */
+	bool		library_loaded; /* the function library is known loaded on
+								 * the server since this connection was made */
 	volatile sig_atomic_t shut; /* not to be used again: the idle timeout
 								 * shut its socket down, or Redis closes it */
 	bool		got_redirected; /* work moved here from another node's queue */

@@ -429,7 +429,7 @@ rl_connect(RlConn *conn, TimestampTz deadline, bool resolve,
 		conn->pending_addrs = NULL;
 	}
 	conn->settings_seen = rl_settings_version();
-	conn->scripts_loaded = 0;	/* the server may be another process now */
+	conn->library_loaded = false;	/* the server may be another process now */
 	if (conn->settings.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);

@@ -135,10 +135,12 @@ typedef struct RlErrorText
  * found inside the error of a script that wrote on a replica (Redis 6 and
  * older: "ERR Error running script ... -READONLY You can't write ...").
  * Redis 7 refuses a command of more than 10 words before AUTH with
- * "ERR Protocol error: unauthenticated".
+ * "ERR Protocol error: unauthenticated". "ERR Function not found" is
+ * FCALL's NOSCRIPT: the server lacks the library (scripts.c).
  */
 static const RlErrorText rl_error_texts[] = {
 	{"NOSCRIPT", false, RL_REPLY_NOSCRIPT},
+	{"ERR Function not found", false, RL_REPLY_NOSCRIPT},
 	{"MOVED ", false, RL_REPLY_MOVED},
 	{"ASK ", false, RL_REPLY_ASK},
 	{"TRYAGAIN", false, RL_REPLY_TRYAGAIN},

@@ -59,8 +59,9 @@
  *                    work its transaction ends left), ASKING, a Redis error
  *                    reply as a failure
  *
- * src/scripts.c      running a script on a connection (EVALSHA, reload on
- *                    NOSCRIPT), the scripts' shared arguments
+ * src/scripts.c      running a script on a connection (FCALL, the library
+ *                    loaded when Redis lacks it; EVAL), the scripts'
+ *                    shared arguments
  * src/standalone.c   the standalone topology's routes: the one configured
  *                    server
  * src/cluster.c      the cluster topology's routes: the slot map (CRC16,
@@ -391,7 +392,8 @@ typedef struct RlConnInfo
 	TimestampTz failing_since;	/* 0: its last call reached Redis */
 	int64		retry_in_ms;	/* while the breaker holds calls back */
 	char		last_error[512];
-	int			scripts_loaded; /* of the registry's, known loaded there */
+	int			scripts_loaded; /* of the registry's, known loaded there (all
+								 * or none: they are one library) */
 } RlConnInfo;
 
 extern void rl_transport_xact_end(XactEvent event);
@@ -402,7 +404,7 @@ extern RlConn *rl_conn_at(const char *host, int port, RlConnKind kind);
 extern void rl_servers_changed(const char *why);
 extern void rl_conn_hand_over(RlConn *from, RlConn *to);
 extern void rl_conn_close(RlConn *conn);
-extern void rl_conn_script_loaded(RlConn *conn, int id);
+extern void rl_conn_library_loaded(RlConn *conn);
 extern void rl_send_queued(RlConn *except);
 extern const char *rl_conn_host(RlConn *conn);
 extern RlConn *rl_conn_current(void);
@@ -422,8 +424,8 @@ typedef struct RlCommand
 extern bool rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds,
 							 int limit_ms, RlFailure *failure);
 extern redisReply *rl_pipeline_recv(RlConn *conn, RlFailure *failure);
-extern bool rl_conn_script_known(RlConn *conn, int id);
-extern void rl_conn_script_forget(RlConn *conn, int id);
+extern bool rl_conn_library_known(RlConn *conn);
+extern void rl_conn_library_forget(RlConn *conn);
 extern redisReply *rl_command_share(RlConn *conn, int argc,
 									const char **argv, const size_t *argvlen,
 									TimestampTz deadline, int shares,
@@ -471,7 +473,7 @@ typedef enum RlReplyError
 {
 	RL_REPLY_OTHER,				/* refused for a reason of its own (OOM,
 								 * WRONGTYPE, NOPERM ...), or run and failed */
-	RL_REPLY_NOSCRIPT,			/* the script is not loaded there */
+	RL_REPLY_NOSCRIPT,			/* the script or function is not loaded there */
 	RL_REPLY_MOVED,				/* the hash slot is another node's now */
 	RL_REPLY_ASK,				/* the key is moving to another node: ask it
 								 * once, after ASKING */
@@ -537,8 +539,8 @@ extern RlReplyAction rl_reply_action(RlReplyError what);
 /* the algorithms and the scripts compiled in (registry.c) */
 typedef struct RlScript
 {
-	const char *body;
-	const char *sha;
+	const char *body;			/* its text, for EVAL */
+	const char *function;		/* its function in rl_library, for FCALL */
 	int			id;				/* 0 .. RL_NUM_SCRIPTS - 1 */
 } RlScript;
 
@@ -578,6 +580,8 @@ extern const RlScript rl_script_denial_top;
 extern const RlScript rl_script_check_many;
 extern const RlScript *rl_script_by_id(int id);
 extern const RlScript *rl_script_by_text(size_t len, uint64 hash);
+extern const char *const rl_library;
+extern const char *const rl_library_name;
 
 /*
  * running a script (scripts.c): argv[0] and argv[1] of a script call are
@@ -587,6 +591,8 @@ extern const RlScript *rl_script_by_text(size_t len, uint64 hash);
 
 extern void rl_script_argv(const RlScript *script, bool eval,
 						   const char **argv, size_t *argvlen);
+extern int	rl_library_load_argv(const char **argv, size_t *argvlen);
+extern bool rl_library_loaded_reply(const redisReply *reply);
 extern redisReply *rl_run_script(RlConn *conn, const RlScript *script,
 								 int argc, const char **argv, size_t *argvlen,
 								 RlFailure *failure);

@@ -318,11 +318,14 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
 
 /*
  * Sends the calls todo[i] of a batch, one pipeline per connection, all
- * written before any is read, and reads their replies in order. The first
- * call of each script the connection may not know goes as EVAL (which
- * loads it), the others as EVALSHA. Fills each call's reply or failure and
- * sets noscript[i] when Redis did not know the script after all (it was
- * flushed: the call did not run; the connection forgets the script) and
+ * written before any is read, and reads their replies in order. The calls
+ * go by FCALL; with load, behind FUNCTION LOAD of the library on a
+ * connection that may not know it (scripts.c). (Not on the first pass: a
+ * connection that is not authenticated answers the first command and
+ * drops the others, and Redis has the library at almost every call.) Fills
+ * each call's reply or failure and
+ * sets noscript[i] when Redis did not know the function after all (the
+ * library was flushed: the call did not run; the connection forgets it) and
  * again[i] when the call did not run for another reason that a new route
  * may cure (an error reply that says so, rl_error_not_run: rl_call, which
  * sends it again, does what the topology makes of it; a connection that
@@ -332,13 +335,17 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
  * first_in_outage and breaker_opened: warned of and counted once.
  */
 static void
-rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
-				 bool *again)
+rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
+				 bool *noscript, bool *again)
 {
 	RlConn	  **conns = palloc(sizeof(RlConn *) * Max(n, 1));
 	int		   *group = palloc(sizeof(int) * Max(n, 1));
-	RlCommand  *cmds = palloc(sizeof(RlCommand) * Max(n, 1));
-	int		   *members = palloc(sizeof(int) * Max(n, 1));
+	RlCommand  *cmds = palloc(sizeof(RlCommand) * (n + 1));
+	int		   *members = palloc(sizeof(int) * (n + 1));
+	bool	   *loading = palloc(sizeof(bool) * Max(n, 1));
+	const char *load_argv[3];
+	size_t		load_argvlen[3];
+	int			load_argc = rl_library_load_argv(load_argv, load_argvlen);
 	int			nconns = 0;
 	int			c;
 	int			i;
@@ -367,23 +374,24 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 
 	for (c = 0; c < nconns; c++)
 	{
-		uint32		evaled = 0;
 		int			k = 0;
 		RlFailure	failure = {0};
 
+		loading[c] = load && !rl_conn_library_known(conns[c]);
+		if (loading[c])
+		{
+			cmds[k].argc = load_argc;
+			cmds[k].argv = load_argv;
+			cmds[k].argvlen = load_argvlen;
+			members[k++] = -1;
+		}
 		for (i = 0; i < n; i++)
 		{
 			RlCall	   *call = &calls[i];
-			uint32		bit = (uint32) 1 << call->script->id;
-			bool		eval;
 
 			if (group[i] != c)
 				continue;
-			eval = !(evaled & bit) &&
-				!rl_conn_script_known(conns[c], call->script->id);
-			rl_script_argv(call->script, eval, call->argv, call->argvlen);
-			if (eval)
-				evaled |= bit;
+			rl_script_argv(call->script, false, call->argv, call->argvlen);
 			cmds[k].argc = call->argc;
 			cmds[k].argv = call->argv;
 			cmds[k].argvlen = call->argvlen;
@@ -392,12 +400,16 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 		if (rl_pipeline_send(conns[c], k, cmds, -1, &failure))
 		{
 			for (i = 0; i < k; i++)
-				calls[members[i]].sent = true;
+				if (members[i] >= 0)
+					calls[members[i]].sent = true;
 			continue;
 		}
 		rl_route_failed(conns[c]);
+		loading[c] = false;
 		for (i = 0; i < k; i++)
 		{
+			if (members[i] < 0)
+				continue;
 			calls[members[i]].failure = failure;
 			calls[members[i]].sent = rl_command_was_sent(conns[c]);
 			again[members[i]] = !rl_command_was_sent(conns[c]) &&
@@ -413,6 +425,20 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 		bool		lost = false;
 		RlFailure	failure = {0};
 
+		/* the library's load, when it was sent */
+		if (loading[c])
+		{
+			redisReply *load = rl_pipeline_recv(conns[c], &failure);
+
+			if (load == NULL)
+			{
+				rl_route_failed(conns[c]);
+				lost = true;
+			}
+			else if (rl_library_loaded_reply(load))
+				rl_conn_library_loaded(conns[c]);
+			freeReplyObject(load);
+		}
 		for (i = 0; i < n; i++)
 		{
 			redisReply *reply;
@@ -435,11 +461,11 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 				continue;
 			}
 			if (reply->type != REDIS_REPLY_ERROR)
-				rl_conn_script_loaded(conns[c], calls[i].script->id);
+				rl_conn_library_loaded(conns[c]);
 			else if ((what = rl_classify_error(reply->str, rl_conn_host(conns[c]),
 												NULL)) == RL_REPLY_NOSCRIPT)
 			{
-				rl_conn_script_forget(conns[c], calls[i].script->id);
+				rl_conn_library_forget(conns[c]);
 				noscript[i] = true;
 			}
 			else if (rl_error_not_run(what))
@@ -450,6 +476,7 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
 	pfree(group);
 	pfree(cmds);
 	pfree(members);
+	pfree(loading);
 }
 
 /*
@@ -459,9 +486,11 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool *noscript,
  * trip per node. Each call's reply (the caller frees it; it may be an error
  * reply) or failure, and the connection it went to, are filled in.
  *
- * Calls that Redis did not run because it did not know their script (a
- * SCRIPT FLUSH, a restart) go again in one more pipeline, their scripts
- * sent first. Calls that it did not run for another reason (a
+ * Calls that Redis did not run because it did not have the library (the
+ * first calls on a server, a FUNCTION FLUSH, a restart) go again in one
+ * more pipeline, the library sent first; those it still did not run (the library could not be loaded)
+ * go as the others below, whose error says why. Calls that it did not run
+ * for another reason (a
  * redirection, TRYAGAIN, READONLY) or that never left because their
  * connection could not be made (cluster and sentinel modes, where the
  * route may change) are sent once more one by one by rl_call, which
@@ -493,9 +522,9 @@ rl_call_many(RlCall *calls, int n)
 		todo[i] = true;
 		calls[i].reply = NULL;
 	}
-	rl_pipeline_pass(calls, n, todo, noscript, again);
+	rl_pipeline_pass(calls, n, todo, false, noscript, again);
 
-	/* scripts flushed meanwhile: those calls once more, pipelined */
+	/* no library there: those calls once more, pipelined, behind it */
 	for (i = 0; i < n; i++)
 	{
 		todo[i] = noscript[i];
@@ -508,7 +537,10 @@ rl_call_many(RlCall *calls, int n)
 		noscript[i] = false;
 	}
 	if (more)
-		rl_pipeline_pass(calls, n, todo, noscript, again);
+		rl_pipeline_pass(calls, n, todo, true, noscript, again);
+	/* still not found (the library could not be loaded): one by one below */
+	for (i = 0; i < n; i++)
+		again[i] = again[i] || noscript[i];
 
 	/* what did not run goes once more, one call at a time, while there is time */
 	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), timeout);

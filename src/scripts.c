@@ -3,9 +3,16 @@
  *	  Running a script of the registry (registry.c) on a connection, and
  *	  the arguments all scripts share.
  *
- * Scripts run by EVALSHA; when Redis does not know the script (NOSCRIPT: a
- * restart, SCRIPT FLUSH, a failover) the same call is sent once more as
- * EVAL with the script's text, which also loads it for the calls after.
+ * Scripts run as functions of one library (rl_library) by FCALL: Redis
+ * keeps the library's Lua state, so a call runs only its own part (a
+ * script sent by EVALSHA runs its whole text each time, making every
+ * helper function anew). When Redis does not have the library (the first
+ * call after a restart, FUNCTION FLUSH, a server that never had it) it
+ * answers "Function not found" (RL_REPLY_NOSCRIPT), and the call goes once
+ * more behind FUNCTION LOAD of the library, the two in one round trip. The
+ * calls that must not depend on a loaded library go as EVAL with the
+ * script's text: an ASK redirection's, and the work queued for a
+ * transaction's end (refund.c, worker.c), which must take one round trip.
  */
 #include "postgres.h"
 
@@ -13,39 +20,88 @@
 
 #include "rl_redis.h"
 
-StaticAssertDecl(RL_NUM_SCRIPTS <= 32, "a connection keeps its loaded scripts in 32 bits");
-
 /*
  * Fills the head of a call of script, argv[0] and argv[1], before the
  * numkeys, keys and arguments the caller put in argv[2..]: EVAL and the
- * script's text when eval (which also loads the script on the server),
- * else EVALSHA and its SHA1. Every script call is headed here.
+ * script's text when eval, else FCALL and its function. Every script call
+ * is headed here.
  */
 void
 rl_script_argv(const RlScript *script, bool eval, const char **argv,
 			   size_t *argvlen)
 {
-	argv[0] = eval ? "EVAL" : "EVALSHA";
+	argv[0] = eval ? "EVAL" : "FCALL";
 	argvlen[0] = strlen(argv[0]);
-	argv[1] = eval ? script->body : script->sha;
+	argv[1] = eval ? script->body : script->function;
 	argvlen[1] = strlen(argv[1]);
 }
 
+/* Fills argv with FUNCTION LOAD of the library; returns its 3 words. */
+int
+rl_library_load_argv(const char **argv, size_t *argvlen)
+{
+	argv[0] = "FUNCTION";
+	argv[1] = "LOAD";
+	argv[2] = rl_library;
+	argvlen[0] = strlen(argv[0]);
+	argvlen[1] = strlen(argv[1]);
+	argvlen[2] = strlen(argv[2]);
+	return 3;
+}
+
 /*
- * Sends the call in argv as EVAL with script's text, which also loads the
- * script on conn's server. Returns as rl_run_script.
+ * Whether reply, Redis's answer to FUNCTION LOAD of the library, says that
+ * the server has the library now: the library's name (it was loaded), or
+ * the error "ERR Library '<name>' already exists" (its name says its text).
+ */
+bool
+rl_library_loaded_reply(const redisReply *reply)
+{
+	if (reply == NULL)
+		return false;
+	if (reply->type == REDIS_REPLY_ERROR)
+		return strncmp(reply->str, "ERR Library '", 13) == 0 &&
+			strstr(reply->str, "' already exists") != NULL;
+	return true;
+}
+
+/*
+ * Sends FUNCTION LOAD of the library and then the FCALL in argv on conn, in
+ * one round trip, and returns the FCALL's reply; when the library could not
+ * be loaded (an ACL without FUNCTION LOAD, OOM, a replica), the load's
+ * error reply instead, which says why. Returns as rl_run_script.
  */
 static redisReply *
-rl_eval(RlConn *conn, const RlScript *script, int argc, const char **argv,
-		size_t *argvlen, RlFailure *failure)
+rl_load_and_run(RlConn *conn, int argc, const char **argv, size_t *argvlen,
+				RlFailure *failure)
 {
+	const char *load_argv[3];
+	size_t		load_argvlen[3];
+	RlCommand	cmds[2];
+	redisReply *load;
 	redisReply *reply;
 
-	rl_script_argv(script, true, argv, argvlen);
-	reply = rl_command(conn, argc, argv, argvlen, failure);
-	if (reply != NULL)
-		rl_conn_script_loaded(conn, script->id);
-	return reply;
+	cmds[0].argc = rl_library_load_argv(load_argv, load_argvlen);
+	cmds[0].argv = load_argv;
+	cmds[0].argvlen = load_argvlen;
+	cmds[1].argc = argc;
+	cmds[1].argv = argv;
+	cmds[1].argvlen = argvlen;
+	if (!rl_pipeline_send(conn, 2, cmds, -1, failure))
+		return NULL;
+	load = rl_pipeline_recv(conn, failure);
+	if (load == NULL)
+		return NULL;
+	reply = rl_pipeline_recv(conn, failure);
+	if (reply == NULL || rl_library_loaded_reply(load))
+	{
+		freeReplyObject(load);
+		if (reply != NULL)
+			rl_conn_library_loaded(conn);
+		return reply;
+	}
+	freeReplyObject(reply);
+	return load;
 }
 
 /*
@@ -66,18 +122,20 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 		rl_classify_error(reply->str, rl_conn_host(conn), NULL) != RL_REPLY_NOSCRIPT)
 	{
 		if (reply != NULL)
-			rl_conn_script_loaded(conn, script->id);
+			rl_conn_library_loaded(conn);
 		return reply;
 	}
 
 	freeReplyObject(reply);
-	return rl_eval(conn, script, argc, argv, argvlen, failure);
+	rl_conn_library_forget(conn);
+	return rl_load_and_run(conn, argc, argv, argvlen, failure);
 }
 
 /*
  * Runs script on conn for a key that Redis Cluster is moving there (an ASK
- * redirection): ASKING, then the call as EVAL, which needs no loaded script
- * (after a NOSCRIPT the ASKING would be spent). Returns as rl_run_script.
+ * redirection): ASKING, then the call as EVAL, which needs no loaded
+ * library (after a "Function not found" the ASKING would be spent).
+ * Returns as rl_run_script.
  */
 redisReply *
 rl_run_script_asking(RlConn *conn, const RlScript *script, int argc,
@@ -87,7 +145,8 @@ rl_run_script_asking(RlConn *conn, const RlScript *script, int argc,
 
 	if (!rl_asking(conn, &reply, failure))
 		return reply;
-	return rl_eval(conn, script, argc, argv, argvlen, failure);
+	rl_script_argv(script, true, argv, argvlen);
+	return rl_command(conn, argc, argv, argvlen, failure);
 }
 
 /* Writes the scripts' clock argument into buf: the test clock, or "". */

@@ -111,7 +111,7 @@ typedef struct RlEntry
 	bool		deferred;		/* transaction-end work */
 	bool		waiter;			/* of deferred work: its session waits */
 	uint64		worker_gen;		/* the worker that took it */
-	/* the call: a script (id) and its arguments after EVALSHA and the sha */
+	/* the call: a script (id) and its arguments after FCALL and its function */
 	int			script_id;
 	int			argc;			/* of the arguments here */
 	int			keyarg;			/* the argument it routes by */
