@@ -405,7 +405,10 @@ rl_scope_queue_batch(RlScope *scope, const RlScript *script, bool refund,
 	}
 	Assert(i == argc);
 
-	/* sent as EVAL: it may reach Redis after a restart flushed the scripts */
+	/*
+	 * sent as EVAL, which needs no loaded library: it may reach a Redis that
+	 * lost it (a restart), and a transaction's end has no round trip to spare
+	 */
 	rl_script_argv(script, true, argv, argvlen);
 	conn = rl_route_known(list[0]->key.data, list[0]->key.len);
 	if (conn != NULL)
