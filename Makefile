@@ -57,8 +57,9 @@ PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs)
 include $(PGXS)
 
-# The Lua scripts are compiled into the library as C strings, with their SHA1
-# digests computed here so that EVALSHA needs no work at run time.
+# The Lua scripts are compiled into the library as C strings, as scripts (for
+# EVAL) and as one library of Redis functions (for FCALL; its name from a
+# SHA1 of the sources, computed here).
 # The algorithms are the lines of src/algorithms.h, which both the C files
 # and embed_lua.sh read.
 src/lua_scripts.h: $(LUA_SCRIPTS) src/embed_lua.sh src/algorithms.h
@@ -91,7 +92,7 @@ bench:
 	bash sql_tests/bench_batch.sh
 	bash sql_tests/bench_deny_cache.sh
 
-# Redis's side alone (issue 22): each algorithm's EVALSHA against its plain
+# Redis's side alone (issue 22): each algorithm's FCALL against its plain
 # pattern, throughput (target: 0.75 of the plain pattern) and memory per
 # identity (fixed window: at most 1.25 times INCR + PEXPIRE), and E8 with
 # the plain sliding script as the Redis side

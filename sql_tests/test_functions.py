@@ -12,8 +12,11 @@ their whole text on every call.
     Lua state outlives them: a dry run, the test clock and Redis's clock as
     one call read it
   - an ACL user who may not FUNCTION LOAD: works while the library is
-    loaded; without it, a call and a batch fail with Redis's NOPERM (08000),
-    never "Function not found"
+    loaded; without it, the first call fails with Redis's NOPERM (08000),
+    and the calls of the next second with "Function not found" and a hint
+    that says why, without the library sent again
+  - a call that ran behind a refused FUNCTION LOAD (the library came from
+    elsewhere meanwhile) is decided by its own reply
 """
 
 import re
@@ -22,7 +25,8 @@ import time
 import psycopg.errors
 import pytest
 
-from conftest import fixed_units, new_ident, rl_key, set_gucs, use_redis
+from conftest import QueryThread, fixed_units, new_ident, pg_connect, rl_key, set_gucs, use_redis
+from test_cluster_review import FakeServer, basic_reply, decision, r_err
 
 pytestmark = pytest.mark.new_session
 
@@ -41,13 +45,13 @@ def libraries(server):
     return out
 
 
-def command_calls(server, command):
+def command_calls(server, command, field="calls"):
     """How many times Redis ran command (INFO commandstats; a subcommand
-    as "function|load")."""
+    as "function|load"; field "rejected_calls": refused before it ran)."""
     for line in server.command("INFO", "commandstats").splitlines():
         if line.startswith("cmdstat_%s:" % command):
             fields = dict(f.split("=", 1) for f in line.split(":", 1)[1].split(","))
-            return int(fields["calls"])
+            return int(fields[field])
     return 0
 
 
@@ -105,8 +109,29 @@ def test_function_flush_between_calls(pg, redis_factory):
     assert fixed_many(pg, ids) == [(i, True, 3) for i in ids]
     assert command_calls(r, "function|load") == 3
     assert len(libraries(r)) == 1
+    # sessions whose connections know the library, at once after a flush:
+    # each loads it (one load wins, the others find it there) and decides
+    others = [pg_connect() for _ in range(3)]
+    try:
+        for c in others:
+            use_redis(c, r, on_error="error")
+            assert fixed(c, new_ident("warm")) == (True, 4)
+        assert r.cli("FUNCTION", "FLUSH") == "OK"
+        racer = new_ident("race")
+        calls = [QueryThread(c, "SELECT (r).allowed FROM rl_fixed(%s, 5, 600000) AS r", (racer,))
+                 for c in others]
+        for call in calls:
+            call.start()
+        for call in calls:
+            call.join(30)
+        assert [(call.error, call.rows) for call in calls] == [(None, [(True,)])] * 3
+    finally:
+        for c in others:
+            c.close()
+    assert len(libraries(r)) == 1
     # each call counted once: nothing ran twice
-    assert fixed_units(r.command("GET", rl_key("fixed", identity, lim=5, window_ms=600000))) == "3"
+    for who, units in ((identity, "3"), (racer, "3")):
+        assert fixed_units(r.command("GET", rl_key("fixed", who, lim=5, window_ms=600000))) == units
 
 
 def test_call_state_stays_in_its_call(pg, redis_factory):
@@ -115,16 +140,22 @@ def test_call_state_stays_in_its_call(pg, redis_factory):
     r = redis_factory()
     use_redis(pg, r, on_error="error")
 
-    # a dry run, then a call: the call writes
+    # a dry run, then calls that do not say whether they are one (a batch,
+    # several limits): they write
     policy = "fcall_%s" % new_ident("p")[-12:]
     pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) "
                "VALUES (%s, 'fixed', 1, 600000)", (policy,))
     try:
-        identity = new_ident("dry")
-        assert pg.execute("SELECT (rl_inspect(%s, %s)).allowed", (policy, identity)).fetchone()[0]
-        check = "SELECT (rl_check(%s, %s)).allowed"
-        assert pg.execute(check, (policy, identity)).fetchone()[0] is True
-        assert pg.execute(check, (policy, identity)).fetchone()[0] is False
+        inspect = "SELECT (rl_inspect(%s, %s)).allowed"
+        batch = "SELECT allowed FROM rl_check_many(%s, ARRAY[%s])"
+        several = "SELECT (rl_check_all(%s::text[], %s)).allowed"
+        for query in (batch, several):
+            identity = new_ident("dry")
+            params = (policy, identity) if query is batch else ([policy], identity)
+            assert pg.execute(inspect, (policy, identity)).fetchone()[0] is True
+            assert pg.execute(query, params).fetchone()[0] is True
+            assert pg.execute(inspect, (policy, identity)).fetchone()[0] is False
+            assert pg.execute(query, params).fetchone()[0] is False
     finally:
         pg.execute("DELETE FROM rl_policy WHERE name = %s", (policy,))
 
@@ -153,16 +184,28 @@ def test_acl_user_who_may_not_load_the_library(pg, redis_factory):
     identity = new_ident("noload")
     ids = sorted(new_ident("noload_many") for _ in range(2))
 
-    # the library is not there: the call fails with Redis's own reason
+    # the library is not there: the call fails with Redis's own reason, and
+    # for a second the next calls with "Function not found" and a hint,
+    # without sending the library again
     use_redis(pg, r, on_error="error", username="noload", password=ACL_PASSWORD)
-    for query, params in (("SELECT rl_fixed_allow(%s, 5, 600000)", (identity,)),
-                          ("SELECT count(*) FROM rl_fixed_many(%s::text[], 5, 600000)", (ids,))):
+    details = []
+    t0 = time.monotonic()
+    for query, params in [("SELECT rl_fixed_allow(%s, 5, 600000)", (identity,))] * 5 + \
+            [("SELECT count(*) FROM rl_fixed_many(%s::text[], 5, 600000)", (ids,))] * 5:
         with pytest.raises(psycopg.errors.ConnectionException) as e:
             pg.execute(query, params)
         assert e.value.sqlstate == "08000", repr(e.value)
-        assert e.value.diag.message_detail.startswith("NOPERM "), e.value.diag.message_detail
+        details.append(e.value.diag.message_detail)
+        if not details[-1].startswith("NOPERM "):
+            assert "FUNCTION LOAD" in e.value.diag.message_hint, e.value.diag.message_hint
+    if time.monotonic() - t0 < 0.9:  # within RL_LOAD_RETRY_MS of the refusal
+        assert details[0].startswith("NOPERM "), details
+        assert details[1:] == ["ERR Function not found"] * 9, details
+        assert command_calls(r, "function|load", "rejected_calls") == 1
     assert libraries(r) == {}
     assert int(r.cli("EXISTS", rl_key("fixed", identity, lim=5, window_ms=600000))) == 0
+    assert pg.execute("SELECT scripts_loaded FROM rl_redis_connections() "
+                      "WHERE state <> 'closed'").fetchone()[0] == 0
 
     # loaded by another user, it serves this one
     use_redis(pg, r, username="", password="")
@@ -170,3 +213,30 @@ def test_acl_user_who_may_not_load_the_library(pg, redis_factory):
     use_redis(pg, r, on_error="error", username="noload", password=ACL_PASSWORD)
     assert pg.execute("SELECT rl_fixed_allow(%s, 5, 600000)", (identity,)).fetchone()[0] is True
     assert fixed_many(pg, ids) == [(i, True, 4) for i in ids]
+
+
+def test_a_call_that_ran_behind_a_refused_load_is_decided(pg):
+    """A fake Redis: the first FCALL finds no function, the FUNCTION LOAD
+    behind it is refused (NOPERM), and the FCALL behind that runs (the
+    library came from elsewhere meanwhile): the call is decided by its own
+    reply (it took its unit), not failed with the load's error."""
+    fcalls = []
+
+    def handle(server, args):
+        word = args[0].upper()
+        if word == "FCALL":
+            fcalls.append(args)
+            return r_err("ERR Function not found") if len(fcalls) == 1 else decision(1, 5, 4)
+        if word == "FUNCTION":
+            return r_err("NOPERM this user has no permissions to run the 'function|load' command")
+        return basic_reply(args)
+
+    fake = FakeServer(handle)
+    try:
+        set_gucs(pg, host="127.0.0.1", port=fake.port, on_error="error", retry_interval=0)
+        row = pg.execute("SELECT (r).allowed, (r).remaining FROM rl_fixed(%s, 5, 600000) AS r",
+                         (new_ident("ran"),)).fetchone()
+        assert row == (True, 4)
+        assert len(fcalls) == 2 and fake.count("FUNCTION", "LOAD") == 1
+    finally:
+        fake.close()

@@ -53,7 +53,7 @@ PYTEST_MODULES=(
 	test_algorithms test_concurrency test_integrity_model test_integrity_xact
 	test_guard_identity test_faults test_fault_matrix test_breaker test_shared
 	test_batch test_deny_cache test_stats test_policy_keys test_identity_size test_reports test_decide
-	test_inspect test_shadow test_guard_check test_window_text test_exporter
+	test_inspect test_shadow test_guard_check test_window_text test_exporter test_functions
 )
 TOPOLOGY_MODULES=(test_cluster test_sentinel)
 

@@ -33,8 +33,9 @@ rl_error_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 				"could not authenticate to Redis at %s", rl_conn_name(conn));
 	else
 		rl_fail(failure, RL_FAILURE_REPLY, ERRCODE_CONNECTION_EXCEPTION,
-				RL_HINT_NONE, reply->str, "Redis at %s returned an error",
-				rl_conn_name(conn));
+				rl_classify_error(reply->str, conn->host, NULL) == RL_REPLY_NO_FUNCTION ?
+				RL_HINT_LIBRARY : RL_HINT_NONE, reply->str,
+				"Redis at %s returned an error", rl_conn_name(conn));
 	freeReplyObject(reply);
 }
 

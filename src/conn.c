@@ -247,6 +247,31 @@ void
 rl_conn_library_loaded(RlConn *conn)
 {
 	conn->library_loaded = true;
+	conn->load_refused_at = 0;
+}
+
+/*
+ * Notes that conn's server refused to load the library for a reason of its
+ * own (an ACL without FUNCTION LOAD, OOM), not one that a new route or a
+ * moment cures (rl_error_not_run).
+ */
+void
+rl_conn_library_refused(RlConn *conn)
+{
+	conn->load_refused_at = GetCurrentTimestamp();
+}
+
+/*
+ * Whether the library may be sent to conn's server: not within
+ * RL_LOAD_RETRY_MS of a refusal, so that a server that refuses it is not
+ * sent a copy of it with every call.
+ */
+bool
+rl_conn_library_may_load(RlConn *conn)
+{
+	return conn->load_refused_at == 0 ||
+		GetCurrentTimestamp() >= TimestampTzPlusMilliseconds(conn->load_refused_at,
+															 RL_LOAD_RETRY_MS);
 }
 
 /* Notes that the library is not loaded on conn's server ("not found"). */

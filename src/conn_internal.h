@@ -42,6 +42,9 @@ struct RlConn
 	uint64		settings_seen;	/* settings_version when last compared */
 	bool		library_loaded; /* the function library is known loaded on
 								 * the server since this connection was made */
+	TimestampTz load_refused_at;	/* when Redis last refused to load it
+									 * (0: never, since the connection was
+									 * made) */
 	volatile sig_atomic_t shut; /* not to be used again: the idle timeout
 								 * shut its socket down, or Redis closes it */
 	bool		got_redirected; /* work moved here from another node's queue */

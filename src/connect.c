@@ -430,6 +430,7 @@ rl_connect(RlConn *conn, TimestampTz deadline, bool resolve,
 	}
 	conn->settings_seen = rl_settings_version();
 	conn->library_loaded = false;	/* the server may be another process now */
+	conn->load_refused_at = 0;
 	if (conn->settings.data == NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(TopMemoryContext);

@@ -135,6 +135,8 @@ rl_failure_hint(const RlFailure *failure)
 			return errhint("Check that Redis is reachable, or raise rl_redis.connect_timeout.");
 		case RL_HINT_COMMAND_TIMEOUT:
 			return errhint("Check that Redis is not overloaded or stopped, or raise rl_redis.command_timeout.");
+		case RL_HINT_LIBRARY:
+			return errhint("rl_redis could not load its library of Redis functions: allow the Redis user of rl_redis.username FUNCTION LOAD and FCALL, and check that Redis is not out of memory.");
 		default:
 			return 0;
 	}

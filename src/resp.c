@@ -136,11 +136,10 @@ typedef struct RlErrorText
  * older: "ERR Error running script ... -READONLY You can't write ...").
  * Redis 7 refuses a command of more than 10 words before AUTH with
  * "ERR Protocol error: unauthenticated". "ERR Function not found" is
- * FCALL's NOSCRIPT: the server lacks the library (scripts.c).
+ * FCALL's: the server lacks the library (scripts.c).
  */
 static const RlErrorText rl_error_texts[] = {
-	{"NOSCRIPT", false, RL_REPLY_NOSCRIPT},
-	{"ERR Function not found", false, RL_REPLY_NOSCRIPT},
+	{"ERR Function not found", false, RL_REPLY_NO_FUNCTION},
 	{"MOVED ", false, RL_REPLY_MOVED},
 	{"ASK ", false, RL_REPLY_ASK},
 	{"TRYAGAIN", false, RL_REPLY_TRYAGAIN},

@@ -7,7 +7,8 @@
  * src/algorithms.h   the table of algorithms, one line each, read by the C
  *                    files and by src/embed_lua.sh
  * src/registry.c     the algorithms (rl_algorithms) and the Lua scripts
- *                    compiled in, with their SHA1; found by id or text
+ *                    compiled in, as scripts and as one function library;
+ *                    found by id or text
  * src/guc.c          the rl_redis.* settings, and the seeds they name
  *                    (rl_seeds)
  * src/checks.c       the one argument checker: an identity's bound
@@ -248,7 +249,8 @@ typedef enum RlHint
 	RL_HINT_PASSWORD,			/* Redis wants rl_redis.password */
 	RL_HINT_SENTINEL_PASSWORD,	/* a sentinel wants its password */
 	RL_HINT_CONNECT_TIMEOUT,	/* rl_redis.connect_timeout passed */
-	RL_HINT_COMMAND_TIMEOUT		/* rl_redis.command_timeout passed */
+	RL_HINT_COMMAND_TIMEOUT,	/* rl_redis.command_timeout passed */
+	RL_HINT_LIBRARY				/* Redis lacks the library, may not load it */
 } RlHint;
 
 extern void rl_define_gucs(void);
@@ -426,6 +428,11 @@ extern bool rl_pipeline_send(RlConn *conn, int n, const RlCommand *cmds,
 extern redisReply *rl_pipeline_recv(RlConn *conn, RlFailure *failure);
 extern bool rl_conn_library_known(RlConn *conn);
 extern void rl_conn_library_forget(RlConn *conn);
+extern void rl_conn_library_refused(RlConn *conn);
+extern bool rl_conn_library_may_load(RlConn *conn);
+
+/* how long a connection whose server refused the library sends it no more */
+#define RL_LOAD_RETRY_MS 1000
 extern redisReply *rl_command_share(RlConn *conn, int argc,
 									const char **argv, const size_t *argvlen,
 									TimestampTz deadline, int shares,
@@ -473,7 +480,7 @@ typedef enum RlReplyError
 {
 	RL_REPLY_OTHER,				/* refused for a reason of its own (OOM,
 								 * WRONGTYPE, NOPERM ...), or run and failed */
-	RL_REPLY_NOSCRIPT,			/* the script or function is not loaded there */
+	RL_REPLY_NO_FUNCTION,		/* the function is not there: no library */
 	RL_REPLY_MOVED,				/* the hash slot is another node's now */
 	RL_REPLY_ASK,				/* the key is moving to another node: ask it
 								 * once, after ASKING */

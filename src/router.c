@@ -324,7 +324,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
  * connection that is not authenticated answers the first command and
  * drops the others, and Redis has the library at almost every call.) Fills
  * each call's reply or failure and
- * sets noscript[i] when Redis did not know the function after all (the
+ * sets no_function[i] when Redis did not know the function after all (the
  * library was flushed: the call did not run; the connection forgets it) and
  * again[i] when the call did not run for another reason that a new route
  * may cure (an error reply that says so, rl_error_not_run: rl_call, which
@@ -336,7 +336,7 @@ rl_call(const char *key, size_t keylen, const RlScript *script, int argc,
  */
 static void
 rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
-				 bool *noscript, bool *again)
+				 bool *no_function, bool *again)
 {
 	RlConn	  **conns = palloc(sizeof(RlConn *) * Max(n, 1));
 	int		   *group = palloc(sizeof(int) * Max(n, 1));
@@ -377,7 +377,8 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
 		int			k = 0;
 		RlFailure	failure = {0};
 
-		loading[c] = load && !rl_conn_library_known(conns[c]);
+		loading[c] = load && !rl_conn_library_known(conns[c]) &&
+			rl_conn_library_may_load(conns[c]);
 		if (loading[c])
 		{
 			cmds[k].argc = load_argc;
@@ -437,6 +438,9 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
 			}
 			else if (rl_library_loaded_reply(load))
 				rl_conn_library_loaded(conns[c]);
+			else if (rl_classify_error(load->str, rl_conn_host(conns[c]),
+										NULL) == RL_REPLY_OTHER)
+				rl_conn_library_refused(conns[c]);
 			freeReplyObject(load);
 		}
 		for (i = 0; i < n; i++)
@@ -463,10 +467,10 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
 			if (reply->type != REDIS_REPLY_ERROR)
 				rl_conn_library_loaded(conns[c]);
 			else if ((what = rl_classify_error(reply->str, rl_conn_host(conns[c]),
-												NULL)) == RL_REPLY_NOSCRIPT)
+												NULL)) == RL_REPLY_NO_FUNCTION)
 			{
 				rl_conn_library_forget(conns[c]);
-				noscript[i] = true;
+				no_function[i] = true;
 			}
 			else if (rl_error_not_run(what))
 				again[i] = true;
@@ -506,7 +510,7 @@ rl_call_many(RlCall *calls, int n)
 {
 	int			timeout = rl_command_timeout > 0 ? rl_command_timeout : 2000;
 	bool	   *todo = palloc(sizeof(bool) * Max(n, 1));
-	bool	   *noscript = palloc0(sizeof(bool) * Max(n, 1));
+	bool	   *no_function = palloc0(sizeof(bool) * Max(n, 1));
 	bool	   *again = palloc0(sizeof(bool) * Max(n, 1));
 	bool		more = false;
 	bool		warned = false;
@@ -522,25 +526,30 @@ rl_call_many(RlCall *calls, int n)
 		todo[i] = true;
 		calls[i].reply = NULL;
 	}
-	rl_pipeline_pass(calls, n, todo, false, noscript, again);
+	rl_pipeline_pass(calls, n, todo, false, no_function, again);
 
 	/* no library there: those calls once more, pipelined, behind it */
 	for (i = 0; i < n; i++)
 	{
-		todo[i] = noscript[i];
-		if (noscript[i])
+		todo[i] = no_function[i] && rl_conn_library_may_load(calls[i].conn);
+		if (todo[i])
 		{
 			freeReplyObject(calls[i].reply);
 			calls[i].reply = NULL;
 			more = true;
 		}
-		noscript[i] = false;
+		no_function[i] = false;
 	}
 	if (more)
-		rl_pipeline_pass(calls, n, todo, true, noscript, again);
-	/* still not found (the library could not be loaded): one by one below */
+		rl_pipeline_pass(calls, n, todo, true, no_function, again);
+	/*
+	 * still not found, the library not loaded for a reason a new route or a
+	 * moment may cure (a replica, LOADING): one by one below; refused (an
+	 * ACL, OOM): their "Function not found" is their reply
+	 */
 	for (i = 0; i < n; i++)
-		again[i] = again[i] || noscript[i];
+		again[i] = again[i] ||
+			(no_function[i] && rl_conn_library_may_load(calls[i].conn));
 
 	/* what did not run goes once more, one call at a time, while there is time */
 	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), timeout);
@@ -570,6 +579,6 @@ rl_call_many(RlCall *calls, int n)
 			(calls[i].conn != NULL && rl_command_was_sent(calls[i].conn));
 	}
 	pfree(todo);
-	pfree(noscript);
+	pfree(no_function);
 	pfree(again);
 }

@@ -8,7 +8,7 @@
  * script sent by EVALSHA runs its whole text each time, making every
  * helper function anew). When Redis does not have the library (the first
  * call after a restart, FUNCTION FLUSH, a server that never had it) it
- * answers "Function not found" (RL_REPLY_NOSCRIPT), and the call goes once
+ * answers "Function not found" (RL_REPLY_NO_FUNCTION), and the call goes once
  * more behind FUNCTION LOAD of the library, the two in one round trip. The
  * calls that must not depend on a loaded library go as EVAL with the
  * script's text: an ASK redirection's, and the work queued for a
@@ -52,24 +52,39 @@ rl_library_load_argv(const char **argv, size_t *argvlen)
 /*
  * Whether reply, Redis's answer to FUNCTION LOAD of the library, says that
  * the server has the library now: the library's name (it was loaded), or
- * the error "ERR Library '<name>' already exists" (its name says its text).
+ * the error "ERR Library '<name>' already exists" for this library's name
+ * (which says its text).
  */
 bool
 rl_library_loaded_reply(const redisReply *reply)
 {
+	size_t		len = strlen(rl_library_name);
+
 	if (reply == NULL)
 		return false;
-	if (reply->type == REDIS_REPLY_ERROR)
-		return strncmp(reply->str, "ERR Library '", 13) == 0 &&
-			strstr(reply->str, "' already exists") != NULL;
-	return true;
+	if (reply->type != REDIS_REPLY_ERROR)
+		return true;
+	return strncmp(reply->str, "ERR Library '", 13) == 0 &&
+		strncmp(reply->str + 13, rl_library_name, len) == 0 &&
+		strcmp(reply->str + 13 + len, "' already exists") == 0;
+}
+
+/* Whether reply is an error reply that says Redis lacks the function. */
+static bool
+rl_not_found(RlConn *conn, const redisReply *reply)
+{
+	return reply != NULL && reply->type == REDIS_REPLY_ERROR &&
+		rl_classify_error(reply->str, rl_conn_host(conn), NULL) == RL_REPLY_NO_FUNCTION;
 }
 
 /*
  * Sends FUNCTION LOAD of the library and then the FCALL in argv on conn, in
- * one round trip, and returns the FCALL's reply; when the library could not
- * be loaded (an ACL without FUNCTION LOAD, OOM, a replica), the load's
- * error reply instead, which says why. Returns as rl_run_script.
+ * one round trip, and returns the FCALL's reply. When the FCALL found no
+ * function because the library could not be loaded (an ACL without
+ * FUNCTION LOAD, OOM, a replica), returns the load's error reply instead,
+ * which says why; the FCALL's reply is given back whenever the call ran
+ * (the library may have come from elsewhere meanwhile). Returns as
+ * rl_run_script.
  */
 static redisReply *
 rl_load_and_run(RlConn *conn, int argc, const char **argv, size_t *argvlen,
@@ -78,7 +93,7 @@ rl_load_and_run(RlConn *conn, int argc, const char **argv, size_t *argvlen,
 	const char *load_argv[3];
 	size_t		load_argvlen[3];
 	RlCommand	cmds[2];
-	redisReply *load;
+	redisReply *volatile load;
 	redisReply *reply;
 
 	cmds[0].argc = rl_library_load_argv(load_argv, load_argvlen);
@@ -92,11 +107,29 @@ rl_load_and_run(RlConn *conn, int argc, const char **argv, size_t *argvlen,
 	load = rl_pipeline_recv(conn, failure);
 	if (load == NULL)
 		return NULL;
-	reply = rl_pipeline_recv(conn, failure);
-	if (reply == NULL || rl_library_loaded_reply(load))
+	if (rl_library_loaded_reply(load))
 	{
 		freeReplyObject(load);
-		if (reply != NULL)
+		rl_conn_library_loaded(conn);
+		return rl_pipeline_recv(conn, failure);
+	}
+	/* an interrupt while the FCALL's reply is awaited must free the load's */
+	PG_TRY();
+	{
+		reply = rl_pipeline_recv(conn, failure);
+	}
+	PG_CATCH();
+	{
+		freeReplyObject(load);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	if (rl_classify_error(load->str, rl_conn_host(conn), NULL) == RL_REPLY_OTHER)
+		rl_conn_library_refused(conn);
+	if (!rl_not_found(conn, reply))
+	{
+		freeReplyObject(load);
+		if (reply != NULL && reply->type != REDIS_REPLY_ERROR)
 			rl_conn_library_loaded(conn);
 		return reply;
 	}
@@ -118,16 +151,21 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 
 	rl_script_argv(script, false, argv, argvlen);
 	reply = rl_command(conn, argc, argv, argvlen, failure);
-	if (reply == NULL || reply->type != REDIS_REPLY_ERROR ||
-		rl_classify_error(reply->str, rl_conn_host(conn), NULL) != RL_REPLY_NOSCRIPT)
+	if (!rl_not_found(conn, reply))
 	{
-		if (reply != NULL)
+		if (reply != NULL && reply->type != REDIS_REPLY_ERROR)
 			rl_conn_library_loaded(conn);
 		return reply;
 	}
 
-	freeReplyObject(reply);
 	rl_conn_library_forget(conn);
+	/*
+	 * refused within RL_LOAD_RETRY_MS: "Function not found" is the reply, so
+	 * that a server that refuses the library is not sent it with every call
+	 */
+	if (!rl_conn_library_may_load(conn))
+		return reply;
+	freeReplyObject(reply);
 	return rl_load_and_run(conn, argc, argv, argvlen, failure);
 }
 
