@@ -251,9 +251,8 @@ rl_conn_library_loaded(RlConn *conn)
 }
 
 /*
- * Notes that conn's server refused to load the library for a reason of its
- * own (an ACL without FUNCTION LOAD, OOM), not one that a new route or a
- * moment cures (rl_error_not_run).
+ * Notes that conn's server refused to load the library for good: its ACL
+ * user may not FUNCTION LOAD (rl_error_no_permission).
  */
 void
 rl_conn_library_refused(RlConn *conn)

@@ -200,6 +200,17 @@ rl_classify_error(const char *error, const char *from_host, RlRedirect *to)
 }
 
 /*
+ * True when error, an error reply, says that the ACL user may not run the
+ * command (NOPERM): a refusal that stays until the user's rules change,
+ * where OOM, a replica or LOADING pass.
+ */
+bool
+rl_error_no_permission(const char *error)
+{
+	return strncmp(error, "NOPERM", 6) == 0;
+}
+
+/*
  * True when an error reply of that class says that Redis did not run the
  * command and it may be sent again: the script was not loaded, or the
  * cluster sent it elsewhere or asked to try again, or the server is a

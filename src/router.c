@@ -438,8 +438,7 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
 			}
 			else if (rl_library_loaded_reply(load))
 				rl_conn_library_loaded(conns[c]);
-			else if (rl_classify_error(load->str, rl_conn_host(conns[c]),
-										NULL) == RL_REPLY_OTHER)
+			else if (rl_error_no_permission(load->str))
 				rl_conn_library_refused(conns[c]);
 			freeReplyObject(load);
 		}
@@ -543,9 +542,9 @@ rl_call_many(RlCall *calls, int n)
 	if (more)
 		rl_pipeline_pass(calls, n, todo, true, no_function, again);
 	/*
-	 * still not found, the library not loaded for a reason a new route or a
-	 * moment may cure (a replica, LOADING): one by one below; refused (an
-	 * ACL, OOM): their "Function not found" is their reply
+	 * still not found, the library not loaded for a reason that may pass (a
+	 * replica, LOADING, OOM): one by one below, where the load's error is
+	 * the reply; refused by the ACL: "Function not found" is their reply
 	 */
 	for (i = 0; i < n; i++)
 		again[i] = again[i] ||
