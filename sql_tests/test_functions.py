@@ -12,9 +12,11 @@ their whole text on every call.
     Lua state outlives them: a dry run, the test clock and Redis's clock as
     one call read it
   - an ACL user who may not FUNCTION LOAD: works while the library is
-    loaded; without it, the first call fails with Redis's NOPERM (08000),
-    and the calls of the next second with "Function not found" and a hint
-    that says why, without the library sent again
+    loaded; without it, a call fails with Redis's NOPERM (08000), and the
+    calls of the next second (and a batch) with "Function not found" and a
+    hint that says why, the library sent once a second at most; the same
+    for a server whose FUNCTION command is renamed away; a user without
+    FCALL gets NOPERM
   - a call that ran behind a refused FUNCTION LOAD (the library came from
     elsewhere meanwhile) is decided by its own reply
 """
@@ -140,22 +142,20 @@ def test_call_state_stays_in_its_call(pg, redis_factory):
     r = redis_factory()
     use_redis(pg, r, on_error="error")
 
-    # a dry run, then calls that do not say whether they are one (a batch,
-    # several limits): they write
+    # a dry run, then a batch, which does not say whether it is one (the
+    # one-key call and the several-limits one do, or read no such flag):
+    # the batch writes
     policy = "fcall_%s" % new_ident("p")[-12:]
     pg.execute("INSERT INTO rl_policy (name, algorithm, lim, window_ms) "
                "VALUES (%s, 'fixed', 1, 600000)", (policy,))
     try:
         inspect = "SELECT (rl_inspect(%s, %s)).allowed"
         batch = "SELECT allowed FROM rl_check_many(%s, ARRAY[%s])"
-        several = "SELECT (rl_check_all(%s::text[], %s)).allowed"
-        for query in (batch, several):
-            identity = new_ident("dry")
-            params = (policy, identity) if query is batch else ([policy], identity)
-            assert pg.execute(inspect, (policy, identity)).fetchone()[0] is True
-            assert pg.execute(query, params).fetchone()[0] is True
-            assert pg.execute(inspect, (policy, identity)).fetchone()[0] is False
-            assert pg.execute(query, params).fetchone()[0] is False
+        identity = new_ident("dry")
+        assert pg.execute(inspect, (policy, identity)).fetchone()[0] is True
+        assert pg.execute(batch, (policy, identity)).fetchone()[0] is True
+        assert pg.execute(inspect, (policy, identity)).fetchone()[0] is False
+        assert pg.execute(batch, (policy, identity)).fetchone()[0] is False
     finally:
         pg.execute("DELETE FROM rl_policy WHERE name = %s", (policy,))
 
@@ -177,31 +177,56 @@ def test_call_state_stays_in_its_call(pg, redis_factory):
     assert fixed(pg, identity, 1, 200) == (True, 0)
 
 
+def failing_calls(conn, calls):
+    """Runs each (query, params) of calls, each of which must fail with
+    08000; returns (started, ended, DETAIL, HINT) of each."""
+    seen = []
+    for query, params in calls:
+        t0 = time.monotonic()
+        with pytest.raises(psycopg.errors.ConnectionException) as e:
+            conn.execute(query, params)
+        assert e.value.sqlstate == "08000", repr(e.value)
+        seen.append((t0, time.monotonic(), e.value.diag.message_detail, e.value.diag.message_hint))
+    return seen
+
+
+def assert_refused_once(seen, loads):
+    """The library was sent at most once per RL_LOAD_RETRY_MS (1 s) of
+    calls, at least once, and every call within 0.9 s of the first one's end
+    was answered "Function not found" with the hint that says what to
+    allow."""
+    assert 1 <= loads <= 1 + int(seen[-1][1] - seen[0][0]), (loads, seen)
+    for started, _, detail, hint in seen[1:]:
+        if started < seen[0][1] + 0.9:
+            assert detail == "ERR Function not found", seen
+            assert "FUNCTION LOAD" in hint, hint
+
+
 def test_acl_user_who_may_not_load_the_library(pg, redis_factory):
     r = redis_factory()
-    assert r.cli("ACL", "SETUSER", "noload", "on", ">" + ACL_PASSWORD, "~*",
-                 "+@all", "-function") == "OK"
+    for user, rule in (("noload", "-function"), ("nofcall", "-fcall")):
+        assert r.cli("ACL", "SETUSER", user, "on", ">" + ACL_PASSWORD, "~*", "+@all", rule) == "OK"
     identity = new_ident("noload")
     ids = sorted(new_ident("noload_many") for _ in range(2))
+    single = ("SELECT rl_fixed_allow(%s, 5, 600000)", (identity,))
+    batch = ("SELECT count(*) FROM rl_fixed_many(%s::text[], 5, 600000)", (ids,))
 
-    # the library is not there: the call fails with Redis's own reason, and
-    # for a second the next calls with "Function not found" and a hint,
-    # without sending the library again
+    def rejected_loads():
+        return command_calls(r, "function|load", "rejected_calls")
+
+    # the library is not there: a call fails with Redis's own reason, and
+    # the calls of the next second, one by one and batches, with "Function
+    # not found" and a hint, without the library being sent again
     use_redis(pg, r, on_error="error", username="noload", password=ACL_PASSWORD)
-    details = []
-    t0 = time.monotonic()
-    for query, params in [("SELECT rl_fixed_allow(%s, 5, 600000)", (identity,))] * 5 + \
-            [("SELECT count(*) FROM rl_fixed_many(%s::text[], 5, 600000)", (ids,))] * 5:
-        with pytest.raises(psycopg.errors.ConnectionException) as e:
-            pg.execute(query, params)
-        assert e.value.sqlstate == "08000", repr(e.value)
-        details.append(e.value.diag.message_detail)
-        if not details[-1].startswith("NOPERM "):
-            assert "FUNCTION LOAD" in e.value.diag.message_hint, e.value.diag.message_hint
-    if time.monotonic() - t0 < 0.9:  # within RL_LOAD_RETRY_MS of the refusal
-        assert details[0].startswith("NOPERM "), details
-        assert details[1:] == ["ERR Function not found"] * 9, details
-        assert command_calls(r, "function|load", "rejected_calls") == 1
+    seen = failing_calls(pg, [single] * 5 + [batch] * 5)
+    assert seen[0][2].startswith("NOPERM "), seen[0]
+    assert_refused_once(seen, rejected_loads())
+    # a batch first, on a new connection: the same from its start
+    pg.execute("SELECT rl_redis_disconnect()")
+    before = rejected_loads()
+    seen = failing_calls(pg, [batch] * 5 + [single] * 5)
+    assert seen[0][2] == "ERR Function not found", seen[0]
+    assert_refused_once(seen, rejected_loads() - before)
     assert libraries(r) == {}
     assert int(r.cli("EXISTS", rl_key("fixed", identity, lim=5, window_ms=600000))) == 0
     assert pg.execute("SELECT scripts_loaded FROM rl_redis_connections() "
@@ -213,6 +238,35 @@ def test_acl_user_who_may_not_load_the_library(pg, redis_factory):
     use_redis(pg, r, on_error="error", username="noload", password=ACL_PASSWORD)
     assert pg.execute("SELECT rl_fixed_allow(%s, 5, 600000)", (identity,)).fetchone()[0] is True
     assert fixed_many(pg, ids) == [(i, True, 4) for i in ids]
+
+    # a user without FCALL: Redis's NOPERM, and the connection does not count
+    # the library as loaded for it
+    use_redis(pg, r, on_error="error", username="nofcall", password=ACL_PASSWORD)
+    seen = failing_calls(pg, [single])
+    assert seen[0][2].startswith("NOPERM "), seen[0]
+    assert pg.execute("SELECT scripts_loaded FROM rl_redis_connections() "
+                      "WHERE state <> 'closed'").fetchone()[0] == 0
+
+
+def test_a_server_that_will_not_load_the_library(pg):
+    """A fake Redis whose FUNCTION command is renamed away ("unknown
+    command"): the library is sent once per second of calls, not with each."""
+    def handle(server, args):
+        word = args[0].upper()
+        if word == "FCALL":
+            return r_err("ERR Function not found")
+        if word == "FUNCTION":
+            return r_err("ERR unknown command 'FUNCTION', with args beginning with: 'LOAD'")
+        return basic_reply(args)
+
+    fake = FakeServer(handle)
+    try:
+        set_gucs(pg, host="127.0.0.1", port=fake.port, on_error="error", retry_interval=0)
+        seen = failing_calls(pg, [("SELECT rl_fixed_allow(%s, 5, 600000)", (new_ident("renamed"),))] * 5)
+        assert seen[0][2].startswith("ERR unknown command 'FUNCTION'"), seen[0]
+        assert_refused_once(seen, fake.count("FUNCTION", "LOAD"))
+    finally:
+        fake.close()
 
 
 def test_a_call_that_ran_behind_a_refused_load_is_decided(pg):

@@ -251,8 +251,8 @@ rl_conn_library_loaded(RlConn *conn)
 }
 
 /*
- * Notes that conn's server refused to load the library for good: its ACL
- * user may not FUNCTION LOAD (rl_error_no_permission).
+ * Notes that conn's server refused to load the library for good (an ACL
+ * user without FUNCTION LOAD, the command renamed: rl_error_lasts).
  */
 void
 rl_conn_library_refused(RlConn *conn)
@@ -268,9 +268,12 @@ rl_conn_library_refused(RlConn *conn)
 bool
 rl_conn_library_may_load(RlConn *conn)
 {
-	return conn->load_refused_at == 0 ||
-		GetCurrentTimestamp() >= TimestampTzPlusMilliseconds(conn->load_refused_at,
-															 RL_LOAD_RETRY_MS);
+	TimestampTz now = GetCurrentTimestamp();
+
+	/* (a clock that stepped back ends the wait) */
+	return conn->load_refused_at == 0 || now < conn->load_refused_at ||
+		now >= TimestampTzPlusMilliseconds(conn->load_refused_at,
+										   RL_LOAD_RETRY_MS);
 }
 
 /* Notes that the library is not loaded on conn's server ("not found"). */

@@ -136,7 +136,7 @@ rl_failure_hint(const RlFailure *failure)
 		case RL_HINT_COMMAND_TIMEOUT:
 			return errhint("Check that Redis is not overloaded or stopped, or raise rl_redis.command_timeout.");
 		case RL_HINT_LIBRARY:
-			return errhint("rl_redis could not load its library of Redis functions: allow the Redis user of rl_redis.username FUNCTION LOAD and FCALL, and check that Redis is not out of memory.");
+			return errhint("rl_redis could not load its library of Redis functions: allow the Redis user of rl_redis.username FUNCTION LOAD and FCALL, and do not rename or disable the FUNCTION command.");
 		default:
 			return 0;
 	}

@@ -200,14 +200,17 @@ rl_classify_error(const char *error, const char *from_host, RlRedirect *to)
 }
 
 /*
- * True when error, an error reply, says that the ACL user may not run the
- * command (NOPERM): a refusal that stays until the user's rules change,
- * where OOM, a replica or LOADING pass.
+ * True when error, an error reply, is a refusal that lasts (NOPERM, an
+ * unknown or renamed command, a proxy that does not pass it on): not one
+ * that passes, out of memory (OOM), a busy script (BUSY), or one that says
+ * the command did not run for now (rl_error_not_run: a replica, LOADING,
+ * a cluster on the move) or was not authenticated.
  */
 bool
-rl_error_no_permission(const char *error)
+rl_error_lasts(const char *error)
 {
-	return strncmp(error, "NOPERM", 6) == 0;
+	return rl_classify_error(error, "", NULL) == RL_REPLY_OTHER &&
+		strncmp(error, "OOM ", 4) != 0 && strncmp(error, "BUSY ", 5) != 0;
 }
 
 /*

@@ -431,8 +431,8 @@ extern void rl_conn_library_forget(RlConn *conn);
 extern void rl_conn_library_refused(RlConn *conn);
 extern bool rl_conn_library_may_load(RlConn *conn);
 
-/* how long a connection whose ACL user may not load the library (NOPERM)
- * sends it no more */
+/* how long a connection whose server refused the library for good
+ * (rl_error_lasts: NOPERM, FUNCTION unknown) sends it no more */
 #define RL_LOAD_RETRY_MS 1000
 extern redisReply *rl_command_share(RlConn *conn, int argc,
 									const char **argv, const size_t *argvlen,
@@ -504,7 +504,7 @@ typedef struct RlRedirect
 extern RlReplyError rl_classify_error(const char *error, const char *from_host,
 									  RlRedirect *to);
 extern bool rl_error_not_run(RlReplyError what);
-extern bool rl_error_no_permission(const char *error);
+extern bool rl_error_lasts(const char *error);
 extern bool rl_reply_scalar(const redisReply *reply);
 extern long long rl_reply_number(const redisReply *reply);
 

@@ -438,7 +438,7 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
 			}
 			else if (rl_library_loaded_reply(load))
 				rl_conn_library_loaded(conns[c]);
-			else if (rl_error_no_permission(load->str))
+			else if (rl_error_lasts(load->str))
 				rl_conn_library_refused(conns[c]);
 			freeReplyObject(load);
 		}
@@ -491,9 +491,10 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
  *
  * Calls that Redis did not run because it did not have the library (the
  * first calls on a server, a FUNCTION FLUSH, a restart) go again in one
- * more pipeline, the library sent first; those it still did not run (the library could not be loaded)
- * go as the others below, whose error says why. Calls that it did not run
- * for another reason (a
+ * more pipeline, the library sent first. Those it still did not run go as
+ * the others below (their error is then the load's), unless the server
+ * refused the library for good (rl_error_lasts): their "Function not
+ * found" is their reply. Calls that it did not run for another reason (a
  * redirection, TRYAGAIN, READONLY) or that never left because their
  * connection could not be made (cluster and sentinel modes, where the
  * route may change) are sent once more one by one by rl_call, which
@@ -544,7 +545,8 @@ rl_call_many(RlCall *calls, int n)
 	/*
 	 * still not found, the library not loaded for a reason that may pass (a
 	 * replica, LOADING, OOM): one by one below, where the load's error is
-	 * the reply; refused by the ACL: "Function not found" is their reply
+	 * the reply; refused for good (an ACL without FUNCTION LOAD): "Function
+	 * not found" is their reply
 	 */
 	for (i = 0; i < n; i++)
 		again[i] = again[i] ||

@@ -124,7 +124,7 @@ rl_load_and_run(RlConn *conn, int argc, const char **argv, size_t *argvlen,
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
-	if (rl_error_no_permission(load->str))
+	if (rl_error_lasts(load->str))
 		rl_conn_library_refused(conn);
 	if (!rl_not_found(conn, reply))
 	{
@@ -160,9 +160,9 @@ rl_run_script(RlConn *conn, const RlScript *script, int argc,
 
 	rl_conn_library_forget(conn);
 	/*
-	 * refused by the ACL within RL_LOAD_RETRY_MS: "Function not found" is the
-	 * reply, so that a user who may not load the library does not send it
-	 * with every call
+	 * refused for good within RL_LOAD_RETRY_MS (an ACL without FUNCTION
+	 * LOAD): "Function not found" is the reply, so that a server that will
+	 * not load the library is not sent it with every call
 	 */
 	if (!rl_conn_library_may_load(conn))
 		return reply;
