@@ -131,7 +131,7 @@ run_pgbench() {
 	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' <<<"$out")
 	[ -n "$tps" ] && [ -n "$n" ] && [ "${failed:-0}" = 0 ] ||
 		{ echo "$out" >&2; die "pgbench $1: no TPS or failed transactions"; }
-	calls=$(rcli INFO commandstats | awk -F'[:=,]' '/^cmdstat_eval(sha)?:/ { n += $3 } END { print n + 0 }')
+	calls=$(rcli INFO commandstats | awk -F'[:=,]' '/^cmdstat_(eval|evalsha|fcall):/ { n += $3 } END { print n + 0 }')
 	[ "$calls" -ge $((n * $3)) ] || die "pgbench $1: Redis counted fewer than $3 script calls per transaction"
 	echo "$tps"
 }
