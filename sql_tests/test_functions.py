@@ -248,18 +248,31 @@ def test_acl_user_who_may_not_load_the_library(pg, redis_factory):
                       "WHERE state <> 'closed'").fetchone()[0] == 0
 
 
-def test_a_server_that_will_not_load_the_library(pg):
-    """A fake Redis whose FUNCTION command is renamed away ("unknown
-    command"): the library is sent once per second of calls, not with each."""
+def fake_redis(fcall_replies, load_reply):
+    """A fake Redis (test_cluster_review's FakeServer) that answers its
+    FCALLs with fcall_replies in turn (the last one again and again) and
+    FUNCTION LOAD with load_reply; .fcalls holds the FCALLs it got."""
+    fcalls = []
+
     def handle(server, args):
         word = args[0].upper()
         if word == "FCALL":
-            return r_err("ERR Function not found")
+            fcalls.append(args)
+            return fcall_replies[min(len(fcalls), len(fcall_replies)) - 1]
         if word == "FUNCTION":
-            return r_err("ERR unknown command 'FUNCTION', with args beginning with: 'LOAD'")
+            return load_reply
         return basic_reply(args)
 
     fake = FakeServer(handle)
+    fake.fcalls = fcalls
+    return fake
+
+
+def test_a_server_that_will_not_load_the_library(pg):
+    """A fake Redis whose FUNCTION command is renamed away ("unknown
+    command"): the library is sent once per second of calls, not with each."""
+    fake = fake_redis([r_err("ERR Function not found")],
+                      r_err("ERR unknown command 'FUNCTION', with args beginning with: 'LOAD'"))
     try:
         set_gucs(pg, host="127.0.0.1", port=fake.port, on_error="error", retry_interval=0)
         seen = failing_calls(pg, [("SELECT rl_fixed_allow(%s, 5, 600000)", (new_ident("renamed"),))] * 5)
@@ -274,23 +287,13 @@ def test_a_call_that_ran_behind_a_refused_load_is_decided(pg):
     behind it is refused (NOPERM), and the FCALL behind that runs (the
     library came from elsewhere meanwhile): the call is decided by its own
     reply (it took its unit), not failed with the load's error."""
-    fcalls = []
-
-    def handle(server, args):
-        word = args[0].upper()
-        if word == "FCALL":
-            fcalls.append(args)
-            return r_err("ERR Function not found") if len(fcalls) == 1 else decision(1, 5, 4)
-        if word == "FUNCTION":
-            return r_err("NOPERM this user has no permissions to run the 'function|load' command")
-        return basic_reply(args)
-
-    fake = FakeServer(handle)
+    fake = fake_redis([r_err("ERR Function not found"), decision(1, 5, 4)],
+                      r_err("NOPERM this user has no permissions to run the 'function|load' command"))
     try:
         set_gucs(pg, host="127.0.0.1", port=fake.port, on_error="error", retry_interval=0)
         row = pg.execute("SELECT (r).allowed, (r).remaining FROM rl_fixed(%s, 5, 600000) AS r",
                          (new_ident("ran"),)).fetchone()
         assert row == (True, 4)
-        assert len(fcalls) == 2 and fake.count("FUNCTION", "LOAD") == 1
+        assert len(fake.fcalls) == 2 and fake.count("FUNCTION", "LOAD") == 1
     finally:
         fake.close()
