@@ -601,7 +601,7 @@ extern const char *const rl_library_name;
 extern void rl_script_argv(const RlScript *script, bool eval,
 						   const char **argv, size_t *argvlen);
 extern int	rl_library_load_argv(const char **argv, size_t *argvlen);
-extern bool rl_library_loaded_reply(const redisReply *reply);
+extern bool rl_library_load_noted(RlConn *conn, const redisReply *reply);
 extern redisReply *rl_run_script(RlConn *conn, const RlScript *script,
 								 int argc, const char **argv, size_t *argvlen,
 								 RlFailure *failure);

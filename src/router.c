@@ -436,11 +436,11 @@ rl_pipeline_pass(RlCall *calls, int n, const bool *todo, bool load,
 				rl_route_failed(conns[c]);
 				lost = true;
 			}
-			else if (rl_library_loaded_reply(load))
-				rl_conn_library_loaded(conns[c]);
-			else if (rl_error_lasts(load->str))
-				rl_conn_library_refused(conns[c]);
-			freeReplyObject(load);
+			else
+			{
+				(void) rl_library_load_noted(conns[c], load);
+				freeReplyObject(load);
+			}
 		}
 		for (i = 0; i < n; i++)
 		{

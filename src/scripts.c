@@ -50,23 +50,28 @@ rl_library_load_argv(const char **argv, size_t *argvlen)
 }
 
 /*
- * Whether reply, Redis's answer to FUNCTION LOAD of the library, says that
- * the server has the library now: the library's name (it was loaded), or
- * the error "ERR Library '<name>' already exists" for this library's name
- * (which says its text).
+ * Notes on conn what reply, Redis's answer to FUNCTION LOAD of the library,
+ * says, and returns whether the server has the library now: the library's
+ * name (it was loaded) or the error "ERR Library '<name>' already exists"
+ * for this library's name (which says its text) note it loaded; an error
+ * that lasts (rl_error_lasts: NOPERM, FUNCTION renamed) notes it refused.
  */
 bool
-rl_library_loaded_reply(const redisReply *reply)
+rl_library_load_noted(RlConn *conn, const redisReply *reply)
 {
 	size_t		len = strlen(rl_library_name);
 
-	if (reply == NULL)
-		return false;
-	if (reply->type != REDIS_REPLY_ERROR)
+	if (reply->type != REDIS_REPLY_ERROR ||
+		(strncmp(reply->str, "ERR Library '", 13) == 0 &&
+		 strncmp(reply->str + 13, rl_library_name, len) == 0 &&
+		 strcmp(reply->str + 13 + len, "' already exists") == 0))
+	{
+		rl_conn_library_loaded(conn);
 		return true;
-	return strncmp(reply->str, "ERR Library '", 13) == 0 &&
-		strncmp(reply->str + 13, rl_library_name, len) == 0 &&
-		strcmp(reply->str + 13 + len, "' already exists") == 0;
+	}
+	if (rl_error_lasts(reply->str))
+		rl_conn_library_refused(conn);
+	return false;
 }
 
 /* Whether reply is an error reply that says Redis lacks the function. */
@@ -107,10 +112,9 @@ rl_load_and_run(RlConn *conn, int argc, const char **argv, size_t *argvlen,
 	load = rl_pipeline_recv(conn, failure);
 	if (load == NULL)
 		return NULL;
-	if (rl_library_loaded_reply(load))
+	if (rl_library_load_noted(conn, load))
 	{
 		freeReplyObject(load);
-		rl_conn_library_loaded(conn);
 		return rl_pipeline_recv(conn, failure);
 	}
 	/* an interrupt while the FCALL's reply is awaited must free the load's */
@@ -124,8 +128,6 @@ rl_load_and_run(RlConn *conn, int argc, const char **argv, size_t *argvlen,
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
-	if (rl_error_lasts(load->str))
-		rl_conn_library_refused(conn);
 	if (!rl_not_found(conn, reply))
 	{
 		freeReplyObject(load);
