@@ -74,12 +74,22 @@ local TEST_CLOCK_MIN_TTL_MS = 10000
 -- Redis's own clock in microseconds as this call read it (nil until then).
 local redis_now = nil
 
--- Makes the four values above those of a new call. Every function of the
--- library (src/embed_lua.sh) calls it first: Redis runs all of them in one
--- Lua state that outlives a call, where a script sent by EVAL runs in one
--- made for it (and needs no call of this).
+-- The functions of Lua and Redis that calls use most, as locals: a local
+-- costs a call less than a global's lookup (a table access, two for
+-- math.max). new_call binds them, as the code of a library may reach no
+-- global while Redis loads it.
+local call, floor, ceil, max, min, sub, spack, sunpack
+
+-- Makes the four values above those of a new call, and binds the locals
+-- above. The main part of every script and every function of the library
+-- calls it first (src/embed_lua.sh): Redis runs all of a library's
+-- functions in one Lua state that outlives a call.
 local function new_call()
   on_test_clock, dry_run, deferred, redis_now = false, false, false, nil
+  if not call then
+    call, floor, ceil, max, min = redis.call, math.floor, math.ceil, math.max, math.min
+    sub, spack, sunpack = string.sub, struct.pack, struct.unpack
+  end
 end
 
 -- Redis's own clock in microseconds (TIME, the one read of it in a call):
@@ -90,33 +100,36 @@ end
 -- twice.
 local function new_epoch()
   if not redis_now then
-    local t = redis.call('TIME')
+    local t = call('TIME')
     redis_now = t[1] * 1000000 + t[2]
   end
   return redis_now
 end
 
--- The clock in microseconds: the test clock when given, else Redis TIME.
+-- The clock in microseconds: the test clock when given, else Redis TIME
+-- (read as new_epoch does, without its call: the first read of a call).
 local function clock_us(test_now)
   if test_now and test_now ~= '' then
     on_test_clock = true
     return test_now + 0
   end
-  return new_epoch()
+  local t = call('TIME')
+  redis_now = t[1] * 1000000 + t[2]
+  return redis_now
 end
 
 -- Microseconds as whole milliseconds, rounded up; the slack keeps
 -- floating-point noise (5750.000000000001) from adding a millisecond. Only
 -- for figures that are not a promise (reset_ms); waits use first_ms.
 local function ms(us)
-  return math.ceil(us / 1000 - 1e-6)
+  return ceil(us / 1000 - 1e-6)
 end
 
 -- The first whole millisecond r >= 1 from now at which fits(now + r * 1000)
 -- is true, starting from the estimate us (µs). The check uses the same test
 -- as the decision, so a wait is never one step too early.
 local function first_ms(us, now, fits)
-  local r = math.max(math.ceil(us / 1000), 1)
+  local r = max(ceil(us / 1000), 1)
   if r > 1 and fits(now + (r - 1) * 1000) then r = r - 1 end
   for _ = 1, 8 do
     if fits(now + r * 1000) then return r end
@@ -131,7 +144,7 @@ end
 local function from_clock(result, real)
   local behind = result[6] - real
   if behind > 0 then
-    local extra = math.ceil(behind / 1000)
+    local extra = ceil(behind / 1000)
     if result[4] > 0 then result[4] = result[4] + extra end
     if result[5] > 0 then result[5] = result[5] + extra end
   end
@@ -144,8 +157,10 @@ end
 -- expiry is that much longer, so that the state lives as long as it
 -- counts. On the test clock it is at least TEST_CLOCK_MIN_TTL_MS.
 local function ttl_ms(ttl, now, real)
+  if now ~= real then ttl = ttl + ceil((now - real) / 1000) end
   local least = on_test_clock and TEST_CLOCK_MIN_TTL_MS or 1
-  return math.max(ttl + math.ceil((now - real) / 1000), least)
+  if ttl < least then return least end
+  return ttl
 end
 
 -- Raises the error Redis gives for a key of another type: key holds a
@@ -170,13 +185,27 @@ local function checked(x)
   return x
 end
 
+-- The one limit of a call of one key (run_one.lua), filled anew by each:
+-- a table costs a call more than the three numbers it holds.
+local ONE = {lim = 0, window_ms = 0, cap = 0}
+
 -- The limit of a call's arguments (as ARGV gives them; burst "0": none):
--- lim, window_ms and the capacity cap, the burst or lim.
-local function limit(lim, window_ms, burst)
+-- lim, window_ms and the capacity cap, the burst or lim, in table p (ONE)
+-- or, without one, in a new table.
+local function limit(lim, window_ms, burst, p)
+  p = p or {}
   lim = lim + 0
   local cap = burst + 0
   if cap == 0 then cap = lim end
-  return {lim = lim, window_ms = window_ms + 0, cap = cap}
+  p.lim, p.window_ms, p.cap = lim, window_ms + 0, cap
+  return p
+end
+
+-- The seven numbers of a decision's result as one string, little-endian
+-- signed 8-byte integers (src/decision.c reads them): Redis turns it into
+-- its reply at a fraction of the cost of a table of numbers.
+local function packed(r)
+  return spack('<i8i8i8i8i8i8i8', r[1], r[2], r[3], r[4], r[5], r[6], r[7])
 end
 
 -- The result of a decision (decide's returns), applied at once: its write

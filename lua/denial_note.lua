@@ -13,11 +13,11 @@ local key = KEYS[1]
 local now = clock_us(ARGV[2])
 for i = 3, #ARGV - 1, 2 do
   local member = ARGV[i]
-  if not redis.call('ZSCORE', key, member) and
-     redis.call('ZCARD', key) >= members then
+  if not call('ZSCORE', key, member) and
+     call('ZCARD', key) >= members then
     member = '(other)'
   end
-  redis.call('ZINCRBY', key, tonumber(ARGV[i + 1]), member)
+  call('ZINCRBY', key, tonumber(ARGV[i + 1]), member)
 end
-redis.call('PEXPIRE', key, math.ceil(math.max((tonumber(ARGV[1]) + 1) * 60000000 - now, 0) / 1000) + keep_ms)
+call('PEXPIRE', key, ceil(max((tonumber(ARGV[1]) + 1) * 60000000 - now, 0) / 1000) + keep_ms)
 return (#ARGV - 2) / 2

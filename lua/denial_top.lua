@@ -7,7 +7,7 @@
 local tmp = KEYS[#KEYS]
 local buckets = {}
 for i = 1, #KEYS - 1 do buckets[i] = KEYS[i] end
-redis.call('ZUNIONSTORE', tmp, #buckets, unpack(buckets))
-local top = redis.call('ZREVRANGE', tmp, 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
-redis.call('DEL', tmp)
+call('ZUNIONSTORE', tmp, #buckets, unpack(buckets))
+local top = call('ZREVRANGE', tmp, 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
+call('DEL', tmp)
 return top

@@ -28,18 +28,17 @@
 -- (Release 1.5 and before kept a hash under the kind "fixed"; keys of kind
 -- "fixed.2" hold this layout only.)
 
--- The struct formats of a short-form state whose counts take k = 1 to 4
--- bytes, 7 characters each, k-th from 7k - 6 (the test-clock form appends
--- I8): one string, which costs a call nothing, where a table would be made
--- anew by each.
-local FIXED_FORMATS = '<I1I1I7<I2I2I7<I3I3I7<I4I4I7'
+-- The struct formats of a state whose counts take k = 1 to 4 bytes, the
+-- k-th of each list: short form, and the test-clock form (I8 appended).
+local FIXED_FORMATS = {'<I1I1I7', '<I2I2I7', '<I3I3I7', '<I4I4I7'}
+local FIXED_FORMATS_W = {'<I1I1I7I8', '<I2I2I7I8', '<I3I3I7I8', '<I4I4I7I8'}
 
 -- The window of now: its number and ms left, the units used in it, the
 -- key's epoch and the lim its state was written under (nil, nil when
 -- there is no key or its state is of an earlier window). now is never
 -- earlier than the start of the state's window.
 local function fixed_state(key, p, now)
-  local v = redis.call('GET', key)
+  local v = call('GET', key)
   local wus = p.window_ms * 1000
   local used, epoch, lim = 0, nil, nil
   if v then
@@ -47,19 +46,19 @@ local function fixed_state(key, p, now)
     local k = short and (#v - 7) / 2 or (#v - 15) / 2
     if k < 1 or k > 4 or k % 1 ~= 0 then wrong_kind() end
     local w
-    local f = string.sub(FIXED_FORMATS, 7 * k - 6, 7 * k)
     if short then
-      used, lim, epoch = struct.unpack(f, v)
-      w = math.floor(checked(epoch) / wus)
+      used, lim, epoch = sunpack(FIXED_FORMATS[k], v)
+      w = floor(checked(epoch) / wus)
     else
-      used, lim, epoch, w = struct.unpack(f .. 'I8', v)
+      used, lim, epoch, w = sunpack(FIXED_FORMATS_W[k], v)
       checked(epoch)
     end
-    now = math.max(now, checked(w * wus))
-    if math.floor(now / wus) ~= w then used, epoch, lim = 0, nil, nil end
+    now = max(now, checked(w * wus))
+    if floor(now / wus) ~= w then used, epoch, lim = 0, nil, nil end
   end
-  local idx = math.floor(now / wus)
-  return now, idx, math.ceil((idx + 1) * p.window_ms - now / 1000), used,
+  local idx = now / wus
+  idx = idx - idx % 1   -- floor (idx >= 0), without a call
+  return now, idx, ceil((idx + 1) * p.window_ms - now / 1000), used,
     epoch, lim
 end
 
@@ -69,20 +68,20 @@ end
 local function fixed_save(key, p, idx, left, n, now, real, epoch, r)
   if n > 0 then
     epoch = epoch or new_epoch()
-    local high = math.max(n, p.lim)
+    local high = n > p.lim and n or p.lim
     local k = 4
     if high < 256 then k = 1 elseif high < 65536 then k = 2
     elseif high < 16777216 then k = 3 end
-    local f = string.sub(FIXED_FORMATS, 7 * k - 6, 7 * k)
+    local w = epoch / (p.window_ms * 1000)
     local v
-    if math.floor(epoch / (p.window_ms * 1000)) == idx then
-      v = struct.pack(f, n, p.lim, epoch)
+    if w - w % 1 == idx then
+      v = spack(FIXED_FORMATS[k], n, p.lim, epoch)
     else
-      v = struct.pack(f .. 'I8', n, p.lim, epoch, idx)
+      v = spack(FIXED_FORMATS_W[k], n, p.lim, epoch, idx)
     end
-    redis.call('SET', key, v, 'PX', ttl_ms(left, now, real))
+    call('SET', key, v, 'PX', ttl_ms(left, now, real))
   else
-    redis.call('DEL', key)
+    call('DEL', key)
   end
   if r then r[7] = epoch or 0 end
 end
@@ -94,17 +93,17 @@ local function fixed_decide(key, p, cost, real)
   local n = used + cost
 
   if cost < 0 then
-    n = math.max(n, 0)
+    n = max(n, 0)
   elseif n > lim then
     local retry = left
     if cost > lim then retry = -1 end
     local reset = 0
     if used > 0 then reset = left end
-    return {0, lim, math.max(lim - used, 0), reset, retry, now, epoch or 0}, nil
+    return {0, lim, max(lim - used, 0), reset, retry, now, epoch or 0}, nil
   end
   local reset = 0
   if n > 0 then reset = left end
-  local r = {1, lim, math.max(lim - n, 0), reset, 0, now, epoch or 0}
+  local r = {1, lim, n < lim and lim - n or 0, reset, 0, now, epoch or 0}
   if cost == 0 then return r, nil end
   return r, fixed_save, key, p, idx, left, n, now, real, epoch, r
 end
@@ -113,7 +112,7 @@ end
 local function fixed_refund(key, p, real, r)
   local now, idx, left, used, epoch, lim = fixed_state(key, p, real)
   if r.idx == idx and used > 0 and epoch == r.epoch and lim == p.lim then
-    fixed_save(key, p, idx, left, math.max(used - r.units, 0), now, real, epoch)
+    fixed_save(key, p, idx, left, max(used - r.units, 0), now, real, epoch)
   end
 end
 

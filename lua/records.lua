@@ -1,11 +1,17 @@
--- Refund records, for the algorithms whose keys keep them (algorithms.h:
--- keeps_records); the build puts this file after common.lua in their
--- scripts (src/embed_lua.sh).
+-- The state of the token bucket and GCRA (algorithms.h: keeps_records),
+-- and its refund records; the build puts this file after common.lua in
+-- their scripts (src/embed_lua.sh).
 --
--- Refund records of the token bucket and GCRA, in the key's hash: field
--- "s:<scope>" = "<owed>:<last_us>", what the charges of a refund scope
--- would give back if it rolled back now. A transaction's scope id has no
--- '/'; a savepoint's is "<transaction's id>/<n>". Field "k" counts them.
+-- Their key is a hash. Field "v" holds the level (tokens; a backlog in µs)
+-- and the clock it was measured at (µs), packed as two little-endian
+-- doubles (16 bytes: struct "<dd"), which hold every level and time
+-- rl_redis writes exactly (see checked) and cost a call no conversion to
+-- or from text.
+--
+-- Refund records, in the same hash: field "s:<scope>" = "<owed>:<last_us>",
+-- what the charges of a refund scope would give back if it rolled back
+-- now. A transaction's scope id has no '/'; a savepoint's is "<transaction's
+-- id>/<n>". Field "k" counts them.
 -- The records of different transactions (their charges are disjoint) owe
 -- at most the key's deficit together, and a savepoint's record at most its
 -- transaction's: had all those charges never happened the bucket would
@@ -15,6 +21,24 @@
 -- (run_forget.lua); at most MAX_SCOPES records are kept, the least recently
 -- charged transaction's going first (its refund then gives back nothing:
 -- never too much).
+
+-- Reads a key's level and the clock it was measured at (field v), and the
+-- number of its refund records: level, ts, nrec; nil, nil, 0 when there is
+-- no key. A v that is not 16 bytes is refused (see wrong_kind), and both
+-- numbers go through checked.
+local function level_read(key)
+  local state = call('HMGET', key, 'v', 'k')
+  local v = state[1]
+  if not v then return nil, nil, 0 end
+  if #v ~= 16 then wrong_kind() end
+  local level, ts = sunpack('<dd', v)
+  return checked(level), checked(ts), tonumber(state[2]) or 0
+end
+
+-- Writes a key's level as measured at now (µs): field v (see level_read).
+local function level_write(key, level, now)
+  call('HSET', key, 'v', spack('<dd', level, now))
+end
 
 -- Splits "a,b,c" into {"a", "b", "c"}; "" gives {}. For the records (a
 -- charge's scopes) and the refund script (a scope's parents).
@@ -38,7 +62,7 @@ local function records()
   -- A number as a record's text: integral values without an exponent, the
   -- others with the digits that read back exactly.
   local function num(x)
-    if x == math.floor(x) then
+    if x == floor(x) then
       return string.format('%.0f', x)
     end
     return string.format('%.17g', x)
@@ -50,11 +74,11 @@ local function records()
   -- first write, so that no write fails halfway.
   local function records_read(key)
     local recs = {}
-    local all = redis.call('HGETALL', key)
+    local all = call('HGETALL', key)
     for i = 1, #all, 2 do
-      if string.sub(all[i], 1, 2) == 's:' then
+      if sub(all[i], 1, 2) == 's:' then
         local owed, last = string.match(all[i + 1], '^([^:]+):(.+)$')
-        recs[string.sub(all[i], 3)] = {checked(tonumber(owed)), checked(tonumber(last)),
+        recs[sub(all[i], 3)] = {checked(tonumber(owed)), checked(tonumber(last)),
                                        all[i + 1]}
       end
     end
@@ -80,14 +104,14 @@ local function records()
       local excess = total - bound
       for _, scope in ipairs(tops) do
         if excess <= 0 then break end
-        local cut = math.min(recs[scope][1], excess)
+        local cut = min(recs[scope][1], excess)
         recs[scope][1] = recs[scope][1] - cut
         excess = excess - cut
       end
     end
     for scope, r in pairs(recs) do
       local top = recs[top_of(scope)]
-      r[1] = math.min(r[1], top and top[1] or 0)
+      r[1] = min(r[1], top and top[1] or 0)
     end
   end
 
@@ -96,14 +120,14 @@ local function records()
     local k = 0
     for scope, r in pairs(recs) do
       if r[1] <= 0 then
-        if r[3] ~= '' then redis.call('HDEL', key, 's:' .. scope) end
+        if r[3] ~= '' then call('HDEL', key, 's:' .. scope) end
       else
         local v = num(r[1]) .. ':' .. num(r[2])
-        if v ~= r[3] then redis.call('HSET', key, 's:' .. scope, v) end
+        if v ~= r[3] then call('HSET', key, 's:' .. scope, v) end
         k = k + 1
       end
     end
-    redis.call('HSET', key, 'k', k)
+    call('HSET', key, 'k', k)
   end
 
   -- Adds amount, charged at now, to the records of every scope of scopes
@@ -162,7 +186,7 @@ local function records()
   local function records_take(recs, r, bound)
     local mine = recs[r.scope]
     if not mine then return 0 end
-    local give = math.min(mine[1], bound)
+    local give = min(mine[1], bound)
     mine[1] = 0
     if top_of(r.scope) == r.scope then
       for scope, rec in pairs(recs) do
@@ -171,7 +195,7 @@ local function records()
     end
     for _, parent in ipairs(r.parents) do
       local p = recs[parent]
-      if p then p[1] = math.max(p[1] - give, 0) end
+      if p then p[1] = max(p[1] - give, 0) end
     end
     return give
   end

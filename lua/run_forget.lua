@@ -6,7 +6,7 @@
 -- Returns the number of keys.
 -- Drops the scope's records of one key.
 local function forget(key)
-  if redis.call('EXISTS', key) == 1 then
+  if call('EXISTS', key) == 1 then
     local recs = records().read(key)
     local gone = false
     for scope, r in pairs(recs) do

@@ -4,10 +4,10 @@
 --          decided one after another, in order)
 -- ARGV     algorithm, lim, window_ms, burst (0: none), cost (>= 0),
 --          now_us ('' for Redis TIME), refund scopes ('' for none)
--- Returns, for each key in order, the seven numbers of run_one.lua:
--- allowed, lim, remaining, reset_ms, retry_after_ms, stamp_us, epoch; for
--- a key that cannot be decided (it holds a value of another type), its
--- error message and six zeros, and nothing is written to it: a decision
+-- Returns, for each key in order, its decision packed as run_one.lua
+-- returns it; for a key that cannot be decided (it holds a value of another
+-- type), its error (an error reply in the array), and nothing is written
+-- to it: a decision
 -- fails before its first write or not at all (see common.lua), so the
 -- other keys' decisions stand.
 -- Decides the call on one key and applies it (see applied), both under
@@ -23,19 +23,13 @@ local cost = ARGV[5] + 0
 local now = clock_us(ARGV[6])
 local reply = {}
 for i = 1, #KEYS do
-  local b = (i - 1) * 7
-  local ok, result = pcall(decide_one, alg, KEYS[i], p, cost, now, ARGV[7])
+  local ok, result = pcall(decide_one, alg, KEYS[i], p, cost, now, ARGV[7] or '')
   if ok then
-    from_clock(result, now)
-    for j = 1, 7 do
-      reply[b + j] = result[j]
-    end
+    reply[i] = packed(from_clock(result, now))
+  elseif type(result) == 'table' then
+    reply[i] = result
   else
-    if type(result) == 'table' then result = result.err end
-    reply[b + 1] = tostring(result)
-    for j = 2, 7 do
-      reply[b + j] = 0
-    end
+    reply[i] = {err = tostring(result)}
   end
 end
 return reply

@@ -23,24 +23,24 @@ local COUNTER_BYTES = 26
 -- start (ms), the current and previous counts, the key's epoch and the lim
 -- its state was written under (nil, nil without a key).
 local function counter_state(key, p, now)
-  local v = redis.call('GET', key)
+  local v = call('GET', key)
   local W = p.window_ms
   local c, prev, epoch, lim = 0, 0, nil, nil
   if v then
     if #v ~= COUNTER_BYTES then wrong_kind() end
     local sc, sp, ts
-    sc, sp, ts, epoch, lim = struct.unpack(COUNTER_FORMAT, v)
+    sc, sp, ts, epoch, lim = sunpack(COUNTER_FORMAT, v)
     checked(epoch)
-    now = math.max(now, checked(ts))
-    local w = math.floor(ts / (W * 1000))
-    local idx = math.floor(now / (W * 1000))
+    now = max(now, checked(ts))
+    local w = floor(ts / (W * 1000))
+    local idx = floor(now / (W * 1000))
     if w == idx then
       c, prev = sc, sp
     elseif w == idx - 1 then
       prev = sc
     end
   end
-  local idx = math.floor(now / (W * 1000))
+  local idx = floor(now / (W * 1000))
   return now, idx, idx * W, c, prev, epoch, lim
 end
 
@@ -51,10 +51,10 @@ end
 local function counter_save(key, p, start, c, prev, now, real, epoch, r)
   if c > 0 or prev > 0 then
     epoch = epoch or new_epoch()
-    redis.call('SET', key, struct.pack(COUNTER_FORMAT, c, prev, now, epoch, p.lim),
-               'PX', ttl_ms(math.ceil(start + 2 * p.window_ms - now / 1000), now, real))
+    call('SET', key, spack(COUNTER_FORMAT, c, prev, now, epoch, p.lim),
+               'PX', ttl_ms(ceil(start + 2 * p.window_ms - now / 1000), now, real))
   else
-    redis.call('DEL', key)
+    call('DEL', key)
   end
   if r then r[7] = epoch or 0 end
 end
@@ -76,7 +76,7 @@ local function sliding_counter_decide(key, p, cost, real)
   local left = start + W - now / 1000     -- ms until the current window ends
 
   -- allowed, the units in the window once decided and the wait
-  local allowed, cur, retry = 1, math.max(c + cost, 0), 0
+  local allowed, cur, retry = 1, max(c + cost, 0), 0
   if cost >= 0 and counter_estimate(now, start, W, prev, c) + cost > lim + 1e-9 then
     allowed, cur, retry = 0, c, -1
     if cost <= lim then
@@ -86,7 +86,7 @@ local function sliding_counter_decide(key, p, cost, real)
         us = (left - (lim - c - cost) * W / prev) * 1000
       elseif c > 0 then
         -- into the next window, where c becomes the previous count
-        us = (left + math.max(W - (lim - cost) * W / c, 0)) * 1000
+        us = (left + max(W - (lim - cost) * W / c, 0)) * 1000
       else
         us = left * 1000
       end
@@ -96,9 +96,9 @@ local function sliding_counter_decide(key, p, cost, real)
     end
   end
   local reset = 0
-  if cur > 0 then reset = math.ceil(left + W) elseif prev > 0 then reset = math.ceil(left) end
+  if cur > 0 then reset = ceil(left + W) elseif prev > 0 then reset = ceil(left) end
   local r = {allowed, lim,
-             math.max(math.floor(lim - counter_estimate(now, start, W, prev, cur) + 1e-9), 0),
+             max(floor(lim - counter_estimate(now, start, W, prev, cur) + 1e-9), 0),
              reset, retry, now, epoch or 0}
   if allowed == 0 or cost == 0 then return r, nil end
   return r, counter_save, key, p, start, cur, prev, now, real, epoch, r
@@ -109,10 +109,10 @@ local function sliding_counter_refund(key, p, real, r)
   local now, idx, start, c, prev, epoch, lim = counter_state(key, p, real)
   if epoch == nil or epoch ~= r.epoch or lim ~= p.lim then return end
   if r.idx == idx then
-    c = math.max(c - r.units, 0)
-    prev = math.max(prev - r.prev, 0)
+    c = max(c - r.units, 0)
+    prev = max(prev - r.prev, 0)
   elseif r.idx == idx - 1 then
-    prev = math.max(prev - r.units, 0)
+    prev = max(prev - r.units, 0)
   else
     return
   end

@@ -13,28 +13,28 @@
 -- (left in place when counted); without a key, only its newest member is
 -- asked for. The key's expiry counts from the newest unit.
 local function log_state(key, p, now)
-  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+  local newest = call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
   if not newest then return now, 0, 0 end
-  now = math.max(now, checked(newest + 0))
+  now = max(now, checked(newest + 0))
   local gone = 0
   if dry_run or deferred then
-    gone = redis.call('ZCOUNT', key, '-inf', now - p.window_ms * 1000)
+    gone = call('ZCOUNT', key, '-inf', now - p.window_ms * 1000)
   else
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000)
+    call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000)
   end
-  return now, redis.call('ZCARD', key) - gone, gone
+  return now, call('ZCARD', key) - gone, gone
 end
 
 -- Drops the gone units that log_state counted and left in place (as of
 -- now, the clock the call was decided on).
 local function log_drop(key, p, gone, now)
-  if gone > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000) end
+  if gone > 0 then call('ZREMRANGEBYSCORE', key, '-inf', now - p.window_ms * 1000) end
 end
 
 -- Gives back the n newest units (and drops the gone ones, see log_drop).
 local function log_pop(key, p, n, gone, now)
   log_drop(key, p, gone, now)
-  if n > 0 then redis.call('ZPOPMAX', key, n) end
+  if n > 0 then call('ZPOPMAX', key, n) end
 end
 
 -- Adds the cost units of a charge taken at now, numbered from seq and
@@ -48,17 +48,25 @@ local function log_add(key, p, cost, seq, gone, now, real, scopes)
   local tag = ''
   if scopes ~= '' then tag = '|' .. string.gsub(scopes, ',', '|') .. '|' end
   local stamp = string.format('%.0f', now)
+  -- the score as text (Redis would format the number once per member),
+  -- unless now is no whole number of µs (a foreign state's newest score)
+  local score = now % 1 == 0 and stamp or now
   local missing = cost
   while missing > 0 do
-    local batch = {}
-    for _ = 1, math.min(missing, 500) do
-      batch[#batch + 1] = now
-      batch[#batch + 1] = stamp .. '-' .. seq .. tag
+    if missing == 1 then
+      missing = missing - call('ZADD', key, 'NX', score, stamp .. '-' .. seq .. tag)
       seq = seq + 1
+    else
+      local batch = {}
+      for _ = 1, min(missing, 500) do
+        batch[#batch + 1] = score
+        batch[#batch + 1] = stamp .. '-' .. seq .. tag
+        seq = seq + 1
+      end
+      missing = missing - call('ZADD', key, 'NX', unpack(batch))
     end
-    missing = missing - redis.call('ZADD', key, 'NX', unpack(batch))
   end
-  redis.call('PEXPIRE', key, ttl_ms(p.window_ms, now, real))
+  call('PEXPIRE', key, ttl_ms(p.window_ms, now, real))
 end
 
 -- ms (at least 1) until the unit at rank r of the window (0 = oldest, -1 =
@@ -67,8 +75,8 @@ end
 local function log_wait(key, r, used, gone, p, now)
   if used == 0 then return 0 end
   if r >= 0 then r = r + gone end
-  local s = redis.call('ZRANGE', key, r, r, 'WITHSCORES')[2]
-  return math.max(ms(s + p.window_ms * 1000 - now), 1)
+  local s = call('ZRANGE', key, r, r, 'WITHSCORES')[2]
+  return max(ms(s + p.window_ms * 1000 - now), 1)
 end
 
 -- Decides a call on a sliding log (see decide in common.lua).
@@ -78,9 +86,9 @@ local function sliding_decide(key, p, cost, real, scopes)
 
   if cost < 0 then
     -- give back the newest units
-    local n = math.min(-cost, used)
+    local n = min(-cost, used)
     local after = used - n
-    return {1, lim, math.max(lim - after, 0), log_wait(key, after - 1, after, gone, p, now),
+    return {1, lim, max(lim - after, 0), log_wait(key, after - 1, after, gone, p, now),
             0, now, 0}, log_pop, key, p, n, gone, now
   end
   if used + cost <= lim then
@@ -95,7 +103,7 @@ local function sliding_decide(key, p, cost, real, scopes)
     -- the call fits once the (used + cost - lim) oldest units have left
     retry = log_wait(key, used + cost - lim - 1, used, gone, p, now)
   end
-  return {0, lim, math.max(lim - used, 0), log_wait(key, -1, used, gone, p, now), retry,
+  return {0, lim, max(lim - used, 0), log_wait(key, -1, used, gone, p, now), retry,
           now, 0}, nil
 end
 
@@ -105,18 +113,18 @@ local function sliding_refund(key, p, real, r)
   -- its first charge can be its own (the window is not applied here: the
   -- limit may have changed since)
   local mark = '|' .. r.scope .. '|'
-  local members = redis.call('ZRANGEBYSCORE', key, r.first, '+inf')
+  local members = call('ZRANGEBYSCORE', key, r.first, '+inf')
   local doomed = {}
   for _, m in ipairs(members) do
     if string.find(m, mark, 1, true) then
       doomed[#doomed + 1] = m
       if #doomed == 500 then
-        redis.call('ZREM', key, unpack(doomed))
+        call('ZREM', key, unpack(doomed))
         doomed = {}
       end
     end
   end
-  if #doomed > 0 then redis.call('ZREM', key, unpack(doomed)) end
+  if #doomed > 0 then call('ZREM', key, unpack(doomed)) end
 end
 
 ALG.sliding = {decide = sliding_decide, refund = sliding_refund}

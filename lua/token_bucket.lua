@@ -1,6 +1,6 @@
 -- Token bucket.
--- State: a hash with t = tokens in the bucket and ts = when t was measured
--- (µs), plus the refund records (see records.lua). The bucket holds up to
+-- State (see records.lua): the level is the tokens in the bucket, with the
+-- clock they were measured at; plus the refund records. The bucket holds up to
 -- cap tokens and refills continuously at lim tokens per window_ms; a call
 -- takes cost tokens. A full bucket is the same as no key, so the key
 -- expires when the bucket is full. The key's name carries lim, window_ms
@@ -8,28 +8,24 @@
 -- A rolled-back charge gives back what its scope's record still owes: the
 -- tokens the bucket would hold had the charges never happened.
 
--- Reads the bucket as of now (never earlier than ts): tokens, after refill,
--- and the number of refund records.
+-- Reads the bucket as of now (never earlier than its clock): tokens,
+-- after refill, and the number of refund records.
 local function bucket_state(key, p, now)
-  local state = redis.call('HMGET', key, 't', 'ts', 'k')
-  local tokens = p.cap
-  if state[1] then
-    local ts = checked(tonumber(state[2]))
-    now = math.max(now, ts)
-    tokens = math.min(p.cap, checked(tonumber(state[1])) + (now - ts) * p.lim / (p.window_ms * 1000))
-  end
-  return now, tokens, tonumber(state[3]) or 0
+  local tokens, ts, nrec = level_read(key)
+  if not tokens then return now, p.cap, 0 end
+  if ts > now then now = ts end
+  return now, min(p.cap, tokens + (now - ts) * p.lim / (p.window_ms * 1000)), nrec
 end
 
 -- Writes the bucket (or deletes the key, records and all, when it is full).
 -- The expiry is the last write of a call.
 local function bucket_save(key, p, have, now, real)
   if have >= p.cap then
-    redis.call('DEL', key)
+    call('DEL', key)
   else
     local rate = p.lim / (p.window_ms * 1000)
-    redis.call('HSET', key, 't', have, 'ts', now)
-    redis.call('PEXPIRE', key, ttl_ms(math.max(ms((p.cap - have) / rate), 1), now, real))
+    level_write(key, have, now)
+    call('PEXPIRE', key, ttl_ms(max(ms((p.cap - have) / rate), 1), now, real))
   end
 end
 
@@ -64,22 +60,22 @@ local function token_bucket_decide(key, p, cost, real, scopes)
   local have
 
   if cost < 0 then
-    have = math.min(cap, tokens - cost)
+    have = min(cap, tokens - cost)
   elseif tokens + eps >= cost then
-    have = math.max(tokens - cost, 0)
+    have = max(tokens - cost, 0)
   else
     -- denied: the first ms at which cost tokens are there
     local retry = -1
     if cost <= cap then
       retry = first_ms((cost - tokens - eps) / rate, now, function(t)
-        return math.min(cap, tokens + (t - now) * rate) + eps >= cost
+        return min(cap, tokens + (t - now) * rate) + eps >= cost
       end)
     end
-    return {0, cap, math.floor(tokens + eps),
-            math.max(ms((cap - tokens) / rate), 0), retry, now, 0}, nil
+    return {0, cap, floor(tokens + eps),
+            max(ms((cap - tokens) / rate), 0), retry, now, 0}, nil
   end
-  local result = {1, cap, math.floor(have + eps),
-                  math.max(ms((cap - have) / rate), 0), 0, now, 0}
+  local result = {1, cap, floor(have + eps),
+                  max(ms((cap - have) / rate), 0), 0, now, 0}
   if cost == 0 then return result, nil end
   -- the records are read here, so that the write cannot fail (see records.lua)
   local recs = nil
@@ -93,7 +89,7 @@ local function token_bucket_refund(key, p, real, r)
   if nrec == 0 or tokens >= p.cap then return end
   local recs = records().read(key)
   records().lower(recs, p.cap - tokens)
-  local have = math.min(p.cap, tokens + records().take(recs, r, p.cap - tokens))
+  local have = min(p.cap, tokens + records().take(recs, r, p.cap - tokens))
   records().lower(recs, p.cap - have)
   records().write(key, recs)
   bucket_save(key, p, have, now, real)

@@ -31,20 +31,14 @@ SELECT * FROM rl_gcra_refund('gc:c', 10, 60000, 4);
 SELECT * FROM rl_gcra_refund('gc:c', 10, 60000, 1000);
 SELECT * FROM rl_gcra('gc:c', 10, 60000, 10);
 
--- O(1) state: a hash with the backlog b (how far the theoretical arrival time
--- lies ahead of ts), both in microseconds
+-- O(1) state: a hash whose field v packs the backlog (how far the
+-- theoretical arrival time lies ahead of the clock) and the clock, both in
+-- microseconds, as two little-endian doubles
 SELECT current_setting('rl_redis.port') AS port \gset
 \setenv RLPORT :port
-\! redis-cli -p $RLPORT type 'rltest:gcra:{gc:c}:10/60000'
-\! redis-cli -p $RLPORT hmget 'rltest:gcra:{gc:c}:10/60000' b ts
+\! redis-cli -p $RLPORT type 'rltest:gcra.2:{gc:c}:10/60000'
+\! redis-cli -p $RLPORT hstrlen 'rltest:gcra.2:{gc:c}:10/60000' v
+\! redis-cli -p $RLPORT eval "local b, ts = struct.unpack('<dd', redis.call('HGET', KEYS[1], 'v')) return {b, ts}" 1 'rltest:gcra.2:{gc:c}:10/60000'
 
--- a key of release 1.2 (a plain string) is read, and replaced by the first call that writes
-SELECT rl_reset('gc:d');
-\! redis-cli -p $RLPORT set 'rltest:gcra:{gc:d}:10/60000' 1000000030000000 px 60000
-SELECT * FROM rl_gcra('gc:d', 10, 60000, 0);
-SELECT * FROM rl_gcra('gc:d', 10, 60000, 1);
-\! redis-cli -p $RLPORT type 'rltest:gcra:{gc:d}:10/60000'
-\! redis-cli -p $RLPORT hmget 'rltest:gcra:{gc:d}:10/60000' b ts
-SELECT rl_reset('gc:d');
 SELECT rl_reset('gc:a'), rl_reset('gc:b'), rl_reset('gc:c');
 RESET rl_redis.test_clock_ms;

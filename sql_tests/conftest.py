@@ -37,6 +37,7 @@ import resource
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -259,7 +260,8 @@ def set_gucs(conn, **gucs):
 
 # the kind in the keys of an algorithm whose state changed layout (README,
 # "Keys in Redis")
-KEY_KINDS = {"fixed": "fixed.2", "sliding_counter": "sliding_counter.2"}
+KEY_KINDS = {"fixed": "fixed.2", "sliding_counter": "sliding_counter.2",
+             "token_bucket": "token_bucket.2", "gcra": "gcra.2"}
 
 
 def rl_key(algorithm, identity, policy=None, lim=None, window_ms=None, burst=None,
@@ -305,6 +307,17 @@ def fixed_state(state):
     fields = [int.from_bytes(raw[i:i + n], "little")
               for i, n in zip((0, k, 2 * k, 2 * k + 7), (k, k, 7, 8))]
     return tuple(fields[:3]) + ((None,) if short else (fields[3],))
+
+
+def level_state(v):
+    """A token bucket's or GCRA key's level (tokens; backlog, µs) and the
+    clock it was measured at (µs): field v of its hash (the HGET reply)
+    unpacked, as lua/records.lua packs it, or None when there is none."""
+    if v is None:
+        return None
+    raw = v.encode(errors="surrogateescape")
+    assert len(raw) == 16, "a level state of %d bytes" % len(raw)
+    return struct.unpack("<dd", raw)
 
 
 def fixed_units(state):

@@ -44,7 +44,7 @@ VERSION=$(sed -n "s/^default_version = '\(.*\)'$/\1/p" rl_redis.control)
 measure() {
 	local alg=$1 lim=$2 key out remaining kind=$1
 	# the kind in the key of an algorithm whose state changed layout
-	case $alg in fixed | sliding_counter) kind=$alg.2 ;; esac
+	case $alg in fixed | sliding_counter | token_bucket | gcra) kind=$alg.2 ;; esac
 	if [ "$alg" = concurrency ]; then
 		key="rl:$kind:{$IDENT}:$lim/$LEASE_MS"
 	else

@@ -94,8 +94,10 @@ def slots_reply(entries):
 
 
 def decision(allowed=1, lim=5, remaining=4):
-    """A reply the one-decision scripts could give (7 integers)."""
-    return r_arr([r_int(v) for v in (allowed, lim, remaining, 0, 0, 1, 0)])
+    """A reply the one-decision scripts could give: 7 integers, packed as
+    lua/common.lua packs them (little-endian signed 8-byte integers)."""
+    return r_bulk(b"".join(v.to_bytes(8, "little", signed=True)
+                           for v in (allowed, lim, remaining, 0, 0, 1, 0)))
 
 
 class _TeeReader:
@@ -904,6 +906,8 @@ def test_queued_redirections_to_ever_new_nodes_keep_the_connections_bounded(sess
             n = len(evals)
             evals.append(n)
             return r_err("MOVED %d 127.0.%d.%d:9" % (key_slot(args[3]), 1 + n // 250, 2 + n % 250))
+        if args[1].endswith("_run_many"):  # a batch: one decision per key
+            return r_arr([decision(1, 5, 4)] * int(args[2]))
         return decision(1, 5, 4)
 
     node = fakes(cluster_handler(lambda s: slots_reply([(0, 16383, "127.0.0.1", s.port)]), script))

@@ -17,7 +17,9 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from conftest import fixed_units, new_ident, rl_key, set_gucs
+import struct
+
+from conftest import fixed_units, level_state, new_ident, rl_key, set_gucs
 from redis_topology import made_policies
 
 WINDOW_MS = 60000
@@ -53,13 +55,24 @@ def packed(*fields):
     return lambda redis, key: redis.command("EVAL", UNHEX, 1, key, data.hex())
 
 
-def hashed(*fields):
-    """A writer of a hash state; "NOW" stands for Redis's clock (µs)."""
+# HSETs field v of KEYS[1] to the bytes ARGV[1] spells in hexadecimal, and
+# the fields and values that follow; for 10 minutes
+UNHEX_LEVEL = ("redis.call('HSET', KEYS[1], 'v', (string.gsub(ARGV[1], '..', function(h) "
+               "return string.char(tonumber(h, 16)) end)), unpack(ARGV, 2)) "
+               "redis.call('PEXPIRE', KEYS[1], 600000)")
+
+
+def leveled(level, ts, *fields, raw=None):
+    """A writer of a token bucket's or GCRA's hash: field v packs level and
+    ts as lua/records.lua does (two little-endian doubles; "NOW" stands for
+    Redis's clock, µs), or holds the bytes raw; fields are more fields and
+    values (refund records)."""
     def write(redis, key):
-        now = redis_us(redis)
-        values = [now if f == "NOW" else f for f in fields]
-        redis.command("HSET", key, *values)
-        redis.command("PEXPIRE", key, 600000)
+        if raw is not None:
+            data = raw
+        else:
+            data = struct.pack("<dd", float(level), redis_us(redis) if ts == "NOW" else float(ts))
+        redis.command("EVAL", UNHEX_LEVEL, 1, key, data.hex(), *fields)
     return write
 
 
@@ -88,26 +101,27 @@ CASES = [
      packed((1, 4), (0, 4), (BEYOND, 7), (NOW_MS * 1000, 7), (10, 4))),
     ("counter_epoch", "sliding_counter", "rl_sliding_counter",
      packed((1, 4), (0, 4), (NOW_MS * 1000, 7), (2**56 - 1, 7), (10, 4))),
-    ("bucket_ts", "token_bucket", "rl_token_bucket", hashed("t", 5, "ts", "1e300")),
-    ("bucket_ts_inf", "token_bucket", "rl_token_bucket", hashed("t", 5, "ts", "inf")),
-    ("bucket_level_negative", "token_bucket", "rl_token_bucket",
-     hashed("t", "-1e300", "ts", "NOW")),
-    ("bucket_level_nan", "token_bucket", "rl_token_bucket", hashed("t", "nan", "ts", "NOW")),
+    ("bucket_ts", "token_bucket", "rl_token_bucket", leveled(5, "1e300")),
+    ("bucket_ts_inf", "token_bucket", "rl_token_bucket", leveled(5, "inf")),
+    ("bucket_level_negative", "token_bucket", "rl_token_bucket", leveled("-1e300", "NOW")),
+    ("bucket_level_nan", "token_bucket", "rl_token_bucket", leveled("nan", "NOW")),
+    ("bucket_level_short", "token_bucket", "rl_token_bucket", leveled(0, 0, raw=b"5" * 15)),
+    ("bucket_level_text", "token_bucket", "rl_token_bucket", leveled(0, 0, raw=b"5")),
     ("bucket_record", "token_bucket", "rl_token_bucket",
-     hashed("t", 5, "ts", "NOW", "k", 1, "s:abc", "garbage")),
-    ("gcra_backlog", "gcra", "rl_gcra", hashed("b", "1e300", "ts", "NOW")),
-    ("gcra_ts", "gcra", "rl_gcra", hashed("b", 1000, "ts", "1e300")),
+     leveled(5, "NOW", "k", 1, "s:abc", "garbage")),
+    ("gcra_backlog", "gcra", "rl_gcra", leveled("1e300", "NOW")),
+    ("gcra_ts", "gcra", "rl_gcra", leveled(1000, "1e300")),
+    ("gcra_level_long", "gcra", "rl_gcra", leveled(0, 0, raw=b"\0" * 17)),
+    ("gcra_level_empty", "gcra", "rl_gcra", leveled(0, 0, raw=b"")),
     ("gcra_record", "gcra", "rl_gcra",
-     hashed("b", 1000, "ts", "NOW", "k", 1, "s:abc", "1:nan")),
-    ("gcra_string_tat", "gcra", "rl_gcra",
+     leveled(1000, "NOW", "k", 1, "s:abc", "1:nan")),
+    ("gcra_string", "gcra", "rl_gcra",
      lambda redis, key: redis.command("SET", key, "1e300", "PX", 600000)),
     ("sliding_score", "sliding", "rl_sliding", scored("+inf")),
     ("sliding_score_beyond", "sliding", "rl_sliding", scored(str(BEYOND))),
     ("concurrency_lease", "concurrency", "rl_concurrency_acquire", scored("+inf")),
     ("concurrency_lease_and_an_ended_one", "concurrency", "rl_concurrency_acquire",
      scored("+inf", ended=True)),
-    ("gcra_string_no_number", "gcra", "rl_gcra",
-     lambda redis, key: redis.command("SET", key, "abc", "PX", 600000)),
 ]
 
 
@@ -138,7 +152,7 @@ def test_state_beyond_any_clock_is_refused(pg, shared_redis, name, algorithm, fu
 
 @pytest.mark.parametrize("algorithm, function, write", [
     ("fixed", "rl_fixed_many", packed((1, 1), (10, 1), (NOW_MS * 1000, 7), (2**64 - 1, 8))),
-    ("token_bucket", "rl_token_bucket_many", hashed("t", 5, "ts", "NOW", "k", 1, "s:abc", "x")),
+    ("token_bucket", "rl_token_bucket_many", leveled(5, "NOW", "k", 1, "s:abc", "x")),
 ], ids=["fixed", "token_bucket"])
 def test_batch_refuses_the_foreign_state_only(pg, shared_redis, algorithm, function, write):
     """A batch of three identities, the second's key a foreign state:
@@ -158,7 +172,7 @@ def test_batch_refuses_the_foreign_state_only(pg, shared_redis, algorithm, funct
     if algorithm == "fixed":
         assert [fixed_units(shared_redis.command("GET", keys[i])) for i in (0, 2)] == ["1", "1"]
     else:
-        assert [float(shared_redis.command("HGET", keys[i], "t")) for i in (0, 2)] == \
+        assert [level_state(shared_redis.command("HGET", keys[i], "v"))[0] for i in (0, 2)] == \
             pytest.approx([9, 9], abs=0.01)
     shared_redis.command("DEL", *keys)
 
@@ -181,30 +195,13 @@ def test_several_limits_write_nothing_when_one_state_is_foreign(pg, shared_redis
     fixed_key = rl_key("fixed", identity, policy=names[0], lim=10, window_ms=WINDOW_MS)
     bucket_key = rl_key("token_bucket", identity, policy=names[1], lim=10,
                         window_ms=WINDOW_MS)
-    hashed("t", 5, "ts", "NOW", "k", 1, "s:abc", "garbage")(shared_redis, bucket_key)
+    leveled(5, "NOW", "k", 1, "s:abc", "garbage")(shared_redis, bucket_key)
     before = dump(shared_redis, bucket_key)
     ordered = names if order == "fixed_first" else names[::-1]
     refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (ordered, identity)))
     assert shared_redis.command("EXISTS", fixed_key) == 0
     assert dump(shared_redis, bucket_key) == before
     shared_redis.command("DEL", bucket_key)
-
-
-@pytest.mark.parametrize("text", ["abc", ""])
-@pytest.mark.parametrize("algorithm, function, field", [
-    ("token_bucket", "rl_token_bucket", "t"), ("gcra", "rl_gcra", "b")])
-def test_level_that_is_no_number_is_refused(pg, shared_redis, algorithm, function, field, text):
-    """Review: a bucket's level or a GCRA backlog that is text but no
-    number is WRONGTYPE as well (it used to fail on Lua's arithmetic, with
-    the script's line in the error), and the key stays."""
-    identity = new_ident("foreign_text")
-    key = rl_key(algorithm, identity, lim=10, window_ms=WINDOW_MS)
-    hashed(field, text, "ts", "NOW")(shared_redis, key)
-    before = dump(shared_redis, key)
-    refused(pg, lambda: pg.execute("SELECT * FROM %s(%%s, 10, %d)" % (function, WINDOW_MS),
-                                   (identity,)))
-    assert dump(shared_redis, key) == before
-    shared_redis.command("DEL", key)
 
 
 @pytest.mark.parametrize("order", ["log_first", "fixed_first"])
@@ -255,41 +252,3 @@ def test_commit_forgets_every_other_key_past_a_foreign_record(pg, shared_redis, 
     assert shared_redis.command("HGET", other, "k") == "0"
     assert dump(shared_redis, keys[corrupt]) == before
     shared_redis.command("DEL", *keys)
-
-
-def test_release_1_2_gcra_key_is_replaced_by_its_first_write_only(pg, shared_redis):
-    """A GCRA key of release 1.2 (a string: the TAT, µs) is read as it is:
-    10 per minute with a TAT 12 s ahead is a backlog of two units. A call
-    of cost 0 writes nothing and the key stays a string; the next call of
-    cost 1 replaces it by a hash with a backlog of three units."""
-    identity = new_ident("foreign_gcra_12")
-    key = rl_key("gcra", identity, lim=10, window_ms=WINDOW_MS)
-    shared_redis.command("SET", key, str(redis_us(shared_redis) + 12000000), "PX", 600000)
-    row = pg.execute("SELECT allowed, remaining FROM rl_gcra(%s, 10, %s, 0)",
-                     (identity, WINDOW_MS)).fetchone()
-    assert row == (True, 8)
-    assert shared_redis.command("TYPE", key) == "string"
-    row = pg.execute("SELECT allowed, remaining FROM rl_gcra(%s, 10, %s)",
-                     (identity, WINDOW_MS)).fetchone()
-    assert row == (True, 7)
-    assert shared_redis.command("TYPE", key) == "hash"
-    # 12 s of TAT less the time since it was set, and one unit of 6 s
-    assert 12000000 < float(shared_redis.command("HGET", key, "b")) <= 18000000
-    shared_redis.command("DEL", key)
-
-
-def test_several_limits_leave_a_release_1_2_gcra_key_as_it_was(pg, shared_redis, policies):
-    """Review: rl_check_all over a GCRA key of release 1.2 and a fixed
-    window whose state is foreign: WRONGTYPE, and the GCRA key is still
-    the string it was (its decide used to rewrite it as a hash before the
-    fixed window refused its state)."""
-    names = [policies(a, 10, WINDOW_MS) for a in ("gcra", "fixed")]
-    identity = new_ident("foreign_all_gcra")
-    gcra_key = rl_key("gcra", identity, policy=names[0], lim=10, window_ms=WINDOW_MS)
-    fixed_key = rl_key("fixed", identity, policy=names[1], lim=10, window_ms=WINDOW_MS)
-    tat = str(redis_us(shared_redis) + 5000000)
-    shared_redis.command("SET", gcra_key, tat, "PX", 600000)
-    shared_redis.command("SET", fixed_key, "x" * 22, "PX", 600000)
-    refused(pg, lambda: pg.execute("SELECT * FROM rl_check_all(%s, %s)", (names, identity)))
-    assert shared_redis.command("GET", gcra_key) == tat
-    shared_redis.command("DEL", gcra_key, fixed_key)

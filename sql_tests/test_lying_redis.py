@@ -100,15 +100,26 @@ def policy(pg):
     yield from made_policy(pg, "", "fixed", 10)
 
 
-# one decision: 7 integers (allowed, lim, remaining, reset, retry, clock, epoch)
+def packed(*values):
+    """A bulk string of the values as little-endian signed 8-byte integers:
+    a decision as lua/common.lua packs it when there are seven."""
+    data = b"".join(v.to_bytes(8, "little", signed=True) for v in values)
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+# one decision: 7 integers packed (allowed, lim, remaining, reset, retry,
+# clock, epoch)
 ONE = [
-    ("too short", ints(1, 10, 9, 0, 0)),
-    ("too long", ints(1, 10, 9, 0, 0, 1, 0, 5)),
-    ("not an array", b"$2\r\nok\r\n"),
-    ("a string element", b"*7\r\n:1\r\n$2\r\n10\r\n:9\r\n:0\r\n:0\r\n:1\r\n:0\r\n"),
-    ("lim zero", ints(1, 0, 9, 0, 0, 1, 0)),
-    ("negative remaining", ints(1, 10, -1, 0, 0, 1, 0)),
-    ("remaining past int32", ints(1, 10, 2**31, 0, 0, 1, 0)),
+    ("too short", packed(1, 10, 9, 0, 0, 1)),
+    ("too long", packed(1, 10, 9, 0, 0, 1, 0, 5)),
+    ("a short string", b"$2\r\nok\r\n"),
+    ("an array of the numbers", ints(1, 10, 9, 0, 0, 1, 0)),
+    ("an integer", b":1\r\n"),
+    ("allowed neither 0 nor 1", packed(2, 10, 9, 0, 0, 1, 0)),
+    ("lim zero", packed(1, 0, 9, 0, 0, 1, 0)),
+    ("lim past int32", packed(1, 2**31, 9, 0, 0, 1, 0)),
+    ("negative remaining", packed(1, 10, -1, 0, 0, 1, 0)),
+    ("remaining past int32", packed(1, 10, 2**31, 0, 0, 1, 0)),
     ("nil", b"$-1\r\n"),
 ]
 

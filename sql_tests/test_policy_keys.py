@@ -520,7 +520,7 @@ def test_refund_after_burst_set_to_lim_gives_back(env, shared_redis):
     assert other.allow(policy, identity) is True
     me.conn.execute("ROLLBACK")
     assert keys_of(shared_redis, identity) == {
-        "rl:token_bucket:{%s}:%s:5/60000" % (identity, policy)}
+        "rl:token_bucket.2:{%s}:%s:5/60000" % (identity, policy)}
     assert other.conn.execute("SELECT (rl_check(%s, %s, 0)).remaining",
                               (policy, identity)).fetchone() == (4,)
 

@@ -91,21 +91,25 @@ def test_connection_refused(pg):
 
 
 def test_password_wanted(pg, redis_factory):
-    """A Redis with requirepass and no password set: a decision's EVALSHA (11
-    words) gets the unauthenticated multibulk length error, a concurrency
-    slot's (8 words) NOAUTH, and a wrong password WRONGPASS; each is 08001
-    with a hint that names the password settings."""
+    """A Redis with requirepass and no password set: a batch's FCALL (more
+    than 10 words) gets the unauthenticated multibulk length error, a
+    decision's (9 words) and a concurrency slot's (8 words) NOAUTH, and a
+    wrong password WRONGPASS; each is 08001 with a hint that names the
+    password settings."""
     r = redis_factory(password="report-secret")
     use_redis(pg, r, on_error="error")
     identity = new_ident("noauth")
     message = "could not authenticate to Redis at 127.0.0.1:%d" % r.port
-    assert error_report(pg, FIXED, (identity,)) == (
-        "08001", message, UNAUTHENTICATED, HINT_PASSWORD, fixed_context(identity))
+    batch = error_report(pg, "SELECT * FROM rl_fixed_many(%s, 5, 60000)",
+                         ([identity + str(i) for i in range(8)],))
+    assert batch[:4] == ("08001", message, UNAUTHENTICATED, HINT_PASSWORD), batch
     # Redis closes the connection after a protocol error (Valkey 8 a moment
     # later): the session does not count on it any more, the next call opens
     # a new one and gets the same kind of failure, never a lost connection
     assert not own_connection_open(pg)
 
+    assert error_report(pg, FIXED, (identity,)) == (
+        "08001", message, NOAUTH, HINT_PASSWORD, fixed_context(identity))
     assert error_report(pg, "SELECT rl_concurrency_acquire(%s, 3, 60000)", (identity,)) == (
         "08001", message, NOAUTH, HINT_PASSWORD,
         'rl_redis concurrency acquire on key "%s"' % rl_key("concurrency", identity, lim=3, window_ms=60000))
@@ -222,7 +226,7 @@ def test_shared_transport_password_wanted_and_refused(redis_factory):
         conn = server.connect(transport="shared", on_error="error")
         identity = new_ident("sharedauth")
         assert error_report(conn, FIXED, (identity,)) == (
-            "08001", "could not authenticate to Redis at 127.0.0.1:%d" % redis.port, UNAUTHENTICATED,
+            "08001", "could not authenticate to Redis at 127.0.0.1:%d" % redis.port, NOAUTH,
             HINT_PASSWORD, fixed_context(identity))
         assert not own_connection_open(conn)
 

@@ -32,6 +32,6 @@
  */
 RL_ALGORITHM(fixed, fixed_window, "fixed.2", true, false, false, false)
 RL_ALGORITHM(sliding, sliding_window, "sliding", false, false, true, false)
-RL_ALGORITHM(token_bucket, token_bucket, "token_bucket", false, true, false, true)
-RL_ALGORITHM(gcra, gcra, "gcra", false, true, false, true)
+RL_ALGORITHM(token_bucket, token_bucket, "token_bucket.2", false, true, false, true)
+RL_ALGORITHM(gcra, gcra, "gcra.2", false, true, false, true)
 RL_ALGORITHM(sliding_counter, sliding_counter, "sliding_counter.2", true, false, false, false)

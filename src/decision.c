@@ -86,12 +86,56 @@ rl_unexpected_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 	return false;
 }
 
+/* the bytes of one decision as lua/common.lua:packed writes it */
+#define RL_PACKED_DECISION (7 * 8)
+
+/*
+ * Reads into d the decision packed in e (lua/common.lua:packed: allowed,
+ * lim, remaining, reset_ms, retry_after_ms, the clock it was decided on and
+ * the key's epoch, seven little-endian signed 8-byte integers); false,
+ * with d untouched, when e is not such a string or its numbers are out of
+ * range. The decision of one key (run_one.lua, concurrency.lua) and each of
+ * a batch's (run_many.lua) are read here.
+ */
+bool
+rl_read_decision(const redisReply *e, RlDecision *d)
+{
+	int64		v[7];
+	int			i,
+				b;
+
+	if (e->type != REDIS_REPLY_STRING || e->len != RL_PACKED_DECISION)
+		return false;
+	for (i = 0; i < 7; i++)
+	{
+		uint64		u = 0;
+
+		for (b = 7; b >= 0; b--)
+			u = (u << 8) | (unsigned char) e->str[i * 8 + b];
+		v[i] = (int64) u;
+	}
+	if ((v[0] != 0 && v[0] != 1) ||
+		v[1] <= 0 || v[1] > PG_INT32_MAX ||
+		v[2] < 0 || v[2] > PG_INT32_MAX)
+		return false;
+	d->allowed = v[0] == 1;
+	d->from_redis = true;
+	d->from_cache = false;
+	d->lim = (int32) v[1];
+	d->remaining = (int32) v[2];
+	d->reset_ms = v[3];
+	d->retry_after_ms = v[4];
+	d->stamp_us = v[5];
+	d->epoch = v[6];
+	return true;
+}
+
 /*
  * Turns a script's reply into d and frees it; false, with failure filled in,
- * when the reply is an error or not the integers the scripts return: the
- * decision of limit (rl_shadow_allow applies its mode), its clock and the
- * key's epoch, or, with charges (a several-limits call of n charges; limit
- * NULL), the most restrictive decision, its index (stored in *index,
+ * when the reply is an error or not what the scripts return: the decision
+ * of limit, packed (rl_read_decision; rl_shadow_allow applies the limit's
+ * mode), or, with charges (a several-limits call of n charges, integers;
+ * limit NULL), the most restrictive decision, its index (stored in *index,
  * 0-based), and the clock, epoch and own verdict of every charge (stored
  * in charges[i]: shadow_denied when its shadow policy would deny).
  */
@@ -100,13 +144,21 @@ rl_parse_decision(RlConn *conn, redisReply *reply, const RlLimit *limit,
 				  RlDecision *d, RlCharge *charges, int n, int *index,
 				  RlFailure *failure)
 {
-	size_t		expected = charges ? 6 + 3 * n : 7;
+	size_t		expected = 6 + 3 * n;
 	size_t		i;
 
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
 		rl_error_reply(conn, reply, failure);
 		return false;
+	}
+	if (charges == NULL)
+	{
+		if (!rl_read_decision(reply, d))
+			goto bad;
+		rl_shadow_allow(limit, d);
+		freeReplyObject(reply);
+		return true;
 	}
 	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != expected)
 		goto bad;
@@ -116,9 +168,9 @@ rl_parse_decision(RlConn *conn, redisReply *reply, const RlLimit *limit,
 	if (reply->element[1]->integer <= 0 || reply->element[1]->integer > PG_INT32_MAX ||
 		reply->element[2]->integer < 0 || reply->element[2]->integer > PG_INT32_MAX)
 		goto bad;
-	if (charges && (reply->element[5]->integer < 1 || reply->element[5]->integer > n))
+	if (reply->element[5]->integer < 1 || reply->element[5]->integer > n)
 		goto bad;
-	for (i = 0; charges && i < (size_t) n; i++)
+	for (i = 0; i < (size_t) n; i++)
 		if (reply->element[6 + 2 * n + i]->integer != 0 &&
 			reply->element[6 + 2 * n + i]->integer != 1)
 			goto bad;
@@ -130,26 +182,17 @@ rl_parse_decision(RlConn *conn, redisReply *reply, const RlLimit *limit,
 	d->remaining = (int32) reply->element[2]->integer;
 	d->reset_ms = reply->element[3]->integer;
 	d->retry_after_ms = reply->element[4]->integer;
-	if (charges)
+	*index = (int) reply->element[5]->integer - 1;
+	for (i = 0; i < (size_t) n; i++)
 	{
-		*index = (int) reply->element[5]->integer - 1;
-		for (i = 0; i < (size_t) n; i++)
-		{
-			charges[i].stamp_us = reply->element[6 + i]->integer;
-			charges[i].epoch = reply->element[6 + n + i]->integer;
-			charges[i].shadow_denied = charges[i].limit->shadow &&
-				reply->element[6 + 2 * n + i]->integer == 0;
-		}
-		d->stamp_us = charges[*index].stamp_us;
-		d->epoch = charges[*index].epoch;
-		d->shadow_denied = d->allowed && charges[*index].shadow_denied;
+		charges[i].stamp_us = reply->element[6 + i]->integer;
+		charges[i].epoch = reply->element[6 + n + i]->integer;
+		charges[i].shadow_denied = charges[i].limit->shadow &&
+			reply->element[6 + 2 * n + i]->integer == 0;
 	}
-	else
-	{
-		d->stamp_us = reply->element[5]->integer;
-		d->epoch = reply->element[6]->integer;
-		rl_shadow_allow(limit, d);
-	}
+	d->stamp_us = charges[*index].stamp_us;
+	d->epoch = charges[*index].epoch;
+	d->shadow_denied = d->allowed && charges[*index].shadow_denied;
 	freeReplyObject(reply);
 	return true;
 

@@ -468,6 +468,7 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 {
 	const char *argv[12];
 	size_t		argvlen[12];
+	int			argc;
 	char		lim_s[16],
 				window_s[24],
 				cost_s[16],
@@ -517,13 +518,17 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 	argvlen[10] = strlen(scopes);
 	argv[11] = c->dry_run ? "1" : "";
 	argvlen[11] = strlen(argv[11]);
+	/* empty arguments at the end are left off: run_one.lua reads them as '' */
+	argc = 12;
+	while (argvlen[argc - 1] == 0)
+		argc--;
 
 	start = rl_stats ? GetCurrentTimestamp() : 0;
 	sent_ms = rl_deny_cache ? rl_deny_cache_now() : 0;
 	mark = rl_deny_cache_mark();
 	rl_context_push(&ctx, cost < 0 ? "refund" : "decision",
 					limit->algorithm->name, key->data, key->len, 0);
-	reply = rl_call(key->data, key->len, &limit->algorithm->script, 12, argv,
+	reply = rl_call(key->data, key->len, &limit->algorithm->script, argc, argv,
 					argvlen, &conn, &failure);
 	if (reply == NULL ||
 		!rl_parse_decision(conn, reply, limit, d, NULL, 0, NULL, &failure))
@@ -598,8 +603,9 @@ typedef struct RlBatch
 
 /*
  * Turns the reply of a batch script call of n keys (keydata[j], keylen[j])
- * into d[keys[j].index] and frees it. A key Redis could not decide (its value is of another
- * type: run_many.lua returns the error in place of its numbers) gets
+ * into d[keys[j].index] and frees it. A key Redis could not decide (its
+ * value is of another type: run_many.lua returns its error in place of its
+ * decision) gets
  * bad[keys[j].index] set and, the first such, its error in *failure. False,
  * with failure filled in, when the reply is an error or not what
  * run_many.lua returns: then no key was decided.
@@ -609,7 +615,7 @@ rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
 			   const char **keydata, const int *keylen, int n,
 			   RlDecision *d, bool *bad, RlFailure *failure)
 {
-	size_t		i;
+	RlDecision	checked;
 	int			j;
 
 	if (reply->type == REDIS_REPLY_ERROR)
@@ -617,44 +623,27 @@ rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
 		rl_error_reply(conn, reply, failure);
 		return false;
 	}
-	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != (size_t) n * 7)
+	if (reply->type != REDIS_REPLY_ARRAY || reply->elements != (size_t) n)
 		goto bad;
-	for (i = 0; i < reply->elements; i++)
-		if (reply->element[i]->type != REDIS_REPLY_INTEGER &&
-			(i % 7 != 0 || reply->element[i]->type != REDIS_REPLY_STRING))
+	/* every key's answer is read before any decision is taken from them */
+	for (j = 0; j < n; j++)
+		if (reply->element[j]->type != REDIS_REPLY_ERROR &&
+			!rl_read_decision(reply->element[j], &checked))
 			goto bad;
 	for (j = 0; j < n; j++)
 	{
-		redisReply **e = reply->element + j * 7;
+		redisReply *e = reply->element[j];
 
-		if (e[0]->type == REDIS_REPLY_INTEGER &&
-			(e[1]->integer <= 0 || e[1]->integer > PG_INT32_MAX ||
-			 e[2]->integer < 0 || e[2]->integer > PG_INT32_MAX))
-			goto bad;
-	}
-	for (j = 0; j < n; j++)
-	{
-		redisReply **e = reply->element + j * 7;
-		RlDecision *r = &d[keys[j].index];
-
-		if (e[0]->type == REDIS_REPLY_STRING)
+		if (e->type == REDIS_REPLY_ERROR)
 		{
 			if (failure->sqlerrcode == 0)
 				rl_fail(failure, RL_FAILURE_REPLY, ERRCODE_CONNECTION_EXCEPTION,
-						RL_HINT_NONE, e[0]->str,
+						RL_HINT_NONE, e->str,
 						"Redis at %s returned an error", rl_conn_name(conn));
 			bad[keys[j].index] = true;
-			continue;
 		}
-		r->allowed = e[0]->integer != 0;
-		r->from_redis = true;
-		r->from_cache = false;
-		r->lim = (int32) e[1]->integer;
-		r->remaining = (int32) e[2]->integer;
-		r->reset_ms = e[3]->integer;
-		r->retry_after_ms = e[4]->integer;
-		r->stamp_us = e[5]->integer;
-		r->epoch = e[6]->integer;
+		else
+			rl_read_decision(e, &d[keys[j].index]);
 	}
 	freeReplyObject(reply);
 	return true;

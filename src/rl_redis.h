@@ -920,6 +920,7 @@ typedef struct RlRequest
 extern int	rl_decide(const RlRequest *req, RlDecision *d);
 
 /* a script's decision reply and on_error (decision.c) */
+extern bool rl_read_decision(const redisReply *e, RlDecision *d);
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply,
 							  const RlLimit *limit, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
