@@ -87,8 +87,8 @@ local call, floor, ceil, max, min, sub, spack, sunpack
 local function new_call()
   on_test_clock, dry_run, deferred, redis_now = false, false, false, nil
   if not call then
-    call, floor, ceil, max, min = redis.call, math.floor, math.ceil, math.max, math.min
-    sub, spack, sunpack = string.sub, struct.pack, struct.unpack
+    call, floor, ceil, max, min, sub, spack, sunpack = redis.call, math.floor,
+      math.ceil, math.max, math.min, string.sub, struct.pack, struct.unpack
   end
 end
 

@@ -24,12 +24,16 @@
 
 -- Reads a key's level and the clock it was measured at (field v), and the
 -- number of its refund records: level, ts, nrec; nil, nil, 0 when there is
--- no key. A v that is not 16 bytes is refused (see wrong_kind), and both
--- numbers go through checked.
+-- no key. A v that is not 16 bytes is refused (see wrong_kind), as are
+-- records without a level (rl_redis writes v whenever it writes a key), and
+-- both numbers go through checked.
 local function level_read(key)
   local state = call('HMGET', key, 'v', 'k')
   local v = state[1]
-  if not v then return nil, nil, 0 end
+  if not v then
+    if state[2] then wrong_kind() end
+    return nil, nil, 0
+  end
   if #v ~= 16 then wrong_kind() end
   local level, ts = sunpack('<dd', v)
   return checked(level), checked(ts), tonumber(state[2]) or 0

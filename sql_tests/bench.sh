@@ -264,11 +264,16 @@ for b in "${builds[@]}"; do
 		[ ${#probe[@]} -ge 4 ] || die "could not capture the Redis command of ${label[$b]}'s rl_${alg}_allow"
 		declare -n cmd=cmd_${b}_$alg
 		cmd=("${probe[@]//\{bench:probe\}/\{bench:__rand_int__\}}")
-		# the script's name in the lua_scripts.h the library was built from
-		script_name[$b/$alg]=$(sed -n "s/^static const char RL_LUA_\([A-Za-z_]*\)_SHA\[\] = \"${cmd[1]}\";$/\1/p" "${lua_h[$b]}")
+		# the function, or the script's name in the lua_scripts.h of a build
+		# that sent scripts (before 1.6)
+		if [ "${cmd[0]}" = FCALL ]; then
+			script_name[$b/$alg]="function ${cmd[1]}"
+		else
+			script_name[$b/$alg]=$(sed -n "s/^static const char RL_LUA_\([A-Za-z_]*\)_SHA\[\] = \"${cmd[1]}\";$/script \1/p" "${lua_h[$b]}")
+		fi
 		# one call on the benchmark's key layout must be allowed
-		reply=$(rcli "${cmd[@]//__rand_int__/check}" | head -1)
-		[ "$reply" = 1 ] || die "replaying the command of ${label[$b]}'s rl_${alg}_allow did not allow a call (reply: $reply)"
+		[ "$(rl_allowed_decisions "$RL_REDIS_PORT" "${cmd[@]//__rand_int__/check}")" = 1 ] ||
+			die "replaying the command of ${label[$b]}'s rl_${alg}_allow did not allow a call"
 		unset -n cmd
 	done
 done
@@ -325,7 +330,7 @@ for b in "${builds[@]}"; do
 	for alg in "${ALGORITHMS[@]}"; do
 		declare -n cmd=cmd_${b}_$alg
 		echo "${prefix}rl_${alg}_allow sends: $(rl_show_cmd "${cmd[@]//__rand_int__/<n>}")"
-		echo "  (script ${script_name[$b/$alg]:-NOT FOUND in ${lua_h[$b]}}; redis-benchmark replays this command)"
+		echo "  (${script_name[$b/$alg]:-script NOT FOUND in ${lua_h[$b]}}; redis-benchmark replays this command)"
 		unset -n cmd
 	done
 done

@@ -104,7 +104,8 @@ for p in "${POLICIES[@]}"; do
 	[ ${#one[@]} -ge 4 ] && [ "${one[2]}" = 1 ] || die "could not capture the command of rl_check('$p', ...)"
 	declare -n cmd=cmd_P_$p
 	cmd=("${one[@]//\{probe\}/\{__rand_int__\}}")
-	[ "$(rcli "${cmd[@]//__rand_int__/check}" | head -1)" = 1 ] || die "replaying rl_check('$p')'s command did not allow"
+	[ "$(rl_allowed_decisions "$RL_REDIS_PORT" "${cmd[@]//__rand_int__/check}")" = 1 ] ||
+		die "replaying rl_check('$p')'s command did not allow"
 	unset -n cmd
 	mapfile -t two < <(capture "SELECT count(*) FROM rl_check_many('$p', ARRAY['probe1', 'probe2'])")
 	[ ${#two[@]} -ge 5 ] && [ "${two[2]}" = 2 ] && [ "${two[4]}" = "${two[3]//\{probe1\}/\{probe2\}}" ] ||
@@ -113,8 +114,7 @@ for p in "${POLICIES[@]}"; do
 	cmd=(FCALL "${two[1]}" $CHUNK)
 	for ((i = 0; i < CHUNK; i++)); do cmd+=("${two[3]//\{probe1\}/\{__rand_int__\}}"); done
 	cmd+=("${two[@]:5}")
-	reply=$(rcli "${cmd[@]//__rand_int__/check}")
-	[ "$(wc -l <<<"$reply")" = $((7 * CHUNK)) ] && [ "$(head -1 <<<"$reply")" = 1 ] ||
+	[ "$(rl_allowed_decisions "$RL_REDIS_PORT" "${cmd[@]//__rand_int__/check}")" = $CHUNK ] ||
 		die "replaying the widened batch command of '$p' did not give $CHUNK allowed decisions"
 	unset -n cmd
 done

@@ -133,8 +133,8 @@ for alg in "${ALGORITHMS[@]}"; do
 	for side in ext plain; do
 		flush
 		declare -n cmd=cmd_${side}_$alg
-		reply=$(rcli "${cmd[@]//__rand_int__/check}" | head -1)
-		[ "$reply" = 1 ] || die "the $side command of $alg did not allow a call (reply: $reply)"
+		[ "$(rl_allowed_decisions "$RL_REDIS_PORT" "${cmd[@]//__rand_int__/check}")" = 1 ] ||
+			die "the $side command of $alg did not allow a call"
 		unset -n cmd
 	done
 	unset -n ext plain

@@ -149,6 +149,19 @@ sys.exit("no FCALL or EVALSHA on a key holding %s in SLOWLOG" % tag)
 '
 }
 
+# rl_allowed_decisions PORT CMD...: runs CMD on the Redis on PORT and prints
+# how many of the decisions in its reply allow: a plain pattern's integer 1,
+# one decision packed by lua/common.lua (seven little-endian 8-byte
+# integers, the first 1 when it allows) or an array of them (a batch).
+# redis-cli --no-raw shows a packed decision as "\x01\x00..." (allowed),
+# one element a line.
+rl_allowed_decisions() {
+	local port=$1
+	shift
+	"$RL_REDIS_CLI" -p "$port" --no-raw "$@" |
+		grep -c -E '^(\s*[0-9]+\) )?("\\x01(\\x00){7}|\(integer\) 1$)'
+}
+
 # rl_redis_benchmark PORT CLIENTS REQUESTS RANDOM CMD...: runs
 # redis-benchmark -r RANDOM with the command CMD (__rand_int__ in it is
 # replaced by a random number below RANDOM on every request) and prints

@@ -13,11 +13,11 @@ or gains a unit; in a several-limits call (rl_check_all) nothing is
 written to any limit.
 """
 
+import struct
+
 import psycopg
 import psycopg.errors
 import pytest
-
-import struct
 
 from conftest import fixed_units, level_state, new_ident, rl_key, set_gucs
 from redis_topology import made_policies
@@ -76,6 +76,14 @@ def leveled(level, ts, *fields, raw=None):
     return write
 
 
+def hash_of(*fields):
+    """A writer of a hash of these fields and values, and no other."""
+    def write(redis, key):
+        redis.command("HSET", key, *fields)
+        redis.command("PEXPIRE", key, 600000)
+    return write
+
+
 def scored(score, ended=False):
     """A writer of a sorted set of one member of that score (and, with
     ended, one of score 1: a unit or lease long gone)."""
@@ -115,6 +123,9 @@ CASES = [
     ("gcra_level_empty", "gcra", "rl_gcra", leveled(0, 0, raw=b"")),
     ("gcra_record", "gcra", "rl_gcra",
      leveled(1000, "NOW", "k", 1, "s:abc", "1:nan")),
+    ("bucket_records_without_level", "token_bucket", "rl_token_bucket",
+     hash_of("k", 1, "s:abc", "garbage")),
+    ("gcra_records_without_level", "gcra", "rl_gcra", hash_of("k", 1, "s:abc", "1:5")),
     ("gcra_string", "gcra", "rl_gcra",
      lambda redis, key: redis.command("SET", key, "1e300", "PX", 600000)),
     ("sliding_score", "sliding", "rl_sliding", scored("+inf")),

@@ -120,7 +120,27 @@ ONE = [
     ("lim past int32", packed(1, 2**31, 9, 0, 0, 1, 0)),
     ("negative remaining", packed(1, 10, -1, 0, 0, 1, 0)),
     ("remaining past int32", packed(1, 10, 2**31, 0, 0, 1, 0)),
+    ("lim not the limit's", packed(1, 11, 9, 0, 0, 1, 0)),
+    ("remaining above lim", packed(1, 10, 11, 0, 0, 1, 0)),
+    ("negative reset", packed(1, 10, 9, -1, 0, 1, 0)),
+    ("reset beyond any wait", packed(1, 10, 9, 2**62, 0, 1, 0)),
+    ("retry below -1", packed(0, 10, 0, 5, -2, 1, 0)),
+    ("retry beyond any wait", packed(0, 10, 0, 5, 2**62, 1, 0)),
+    ("negative clock", packed(1, 10, 9, 0, 0, -1, 0)),
+    ("negative epoch", packed(1, 10, 9, 0, 0, 1, -1)),
     ("nil", b"$-1\r\n"),
+]
+
+# a batch of two keys: one packed decision per key (or an error element)
+OK = packed(1, 10, 9, 0, 0, 1, 0)
+BATCH = [
+    ("one decision for two keys", b"*1\r\n" + OK),
+    ("three decisions for two keys", b"*3\r\n" + OK + OK + OK),
+    ("one decision of allowed 2", b"*2\r\n" + OK + packed(2, 10, 9, 0, 0, 1, 0)),
+    ("one decision of 55 bytes", b"*2\r\n" + OK + b"$55\r\n" + b"\0" * 55 + b"\r\n"),
+    ("one decision an integer", b"*2\r\n" + OK + b":1\r\n"),
+    ("seven integers per key", ints(1, 10, 9, 0, 0, 1, 0, 1, 10, 9, 0, 0, 1, 0)),
+    ("not an array", OK),
 ]
 
 # several limits, n = 1: 6 + 2 integers, the 6th the deciding limit's index (1-based)
@@ -165,6 +185,37 @@ def test_bad_several_limits_reply(policy, what, reply):
             set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
             _expect_protocol_error(conn, "SELECT rl_check_all(ARRAY[%s], %s)", (policy, new_ident("lie")))
             assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        liar.close()
+
+
+@pytest.mark.parametrize("what, reply", BATCH, ids=[w for w, _ in BATCH])
+def test_bad_batch_reply(policy, what, reply):
+    """A batch's reply is read whole before any of its decisions is taken:
+    any element that is not a decision of the limit (nor an error) makes
+    the whole call a protocol violation."""
+    liar = LyingRedis(reply)
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
+            _expect_protocol_error(conn, "SELECT * FROM rl_check_many(%s, %s)",
+                                   (policy, [new_ident("lie1"), new_ident("lie2")]))
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        liar.close()
+
+
+def test_batch_error_element_is_that_key_alone(policy):
+    """An error in place of one key's decision (a key Redis could not
+    decide) gives that key on_error's decision and the other key its own."""
+    liar = LyingRedis(b"*2\r\n" + packed(1, 10, 7, 0, 0, 1, 0) + b"-WRONGTYPE a lie\r\n")
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0, on_error="deny")
+            conn.execute("SET client_min_messages = error")
+            rows = conn.execute("SELECT allowed, remaining FROM rl_check_many(%s, %s)",
+                                (policy, [new_ident("lie1"), new_ident("lie2")])).fetchall()
+            assert rows == [(True, 7), (False, 0)]
     finally:
         liar.close()
 

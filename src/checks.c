@@ -189,7 +189,7 @@ rl_get_window_ms(FunctionCallInfo fcinfo, int argno, const char *name)
 void
 rl_check_limit(const RlLimit *limit)
 {
-	int32		cap = limit->burst > 0 ? limit->burst : limit->lim;
+	int32		cap = rl_limit_capacity(limit);
 
 	if (limit->lim <= 0)
 		ereport(ERROR,

@@ -4,7 +4,9 @@
  *	  decision rl_redis.on_error makes when Redis gives none.
  *
  * Every decision (engine.c) and every concurrency slot (slots.c) reads its
- * reply here, so that what a script may answer is checked in one place.
+ * reply with the functions here, a batch its decisions one by one
+ * (rl_read_decision), so that what a script may answer is checked in one
+ * place.
  */
 #include "postgres.h"
 
@@ -22,7 +24,7 @@ void
 rl_apply_on_error(const RlFailure *failure, const RlLimit *limit, int32 cost,
 				  RlDecision *d)
 {
-	int32		lim = limit->burst > 0 ? limit->burst : limit->lim;
+	int32		lim = rl_limit_capacity(limit);
 
 	if (rl_on_error == RL_ON_ERROR_ERROR)
 		rl_raise(failure);
@@ -90,15 +92,25 @@ rl_unexpected_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 #define RL_PACKED_DECISION (7 * 8)
 
 /*
- * Reads into d the decision packed in e (lua/common.lua:packed: allowed,
- * lim, remaining, reset_ms, retry_after_ms, the clock it was decided on and
- * the key's epoch, seven little-endian signed 8-byte integers); false,
- * with d untouched, when e is not such a string or its numbers are out of
- * range. The decision of one key (run_one.lua, concurrency.lua) and each of
- * a batch's (run_many.lua) are read here.
+ * The longest wait a script can answer, in ms: 2^53 µs, beyond any time a
+ * script computes (lua/common.lua: MAX_US), and far from overflowing when
+ * added to a clock.
+ */
+#define RL_MAX_WAIT_MS (INT64CONST(9007199254740992) / 1000)
+
+/*
+ * Reads into d the decision of limit packed in e (lua/common.lua:packed:
+ * allowed, lim, remaining, reset_ms, retry_after_ms, the clock it was
+ * decided on and the key's epoch, seven little-endian signed 8-byte
+ * integers); false, with d untouched, when e is not such a string or its
+ * numbers are not what a script of that limit answers: lim is its capacity
+ * (rl_limit_capacity), remaining within it, the waits within
+ * RL_MAX_WAIT_MS (retry_after_ms -1: never), the clock and epoch not
+ * negative. The decision of one key (run_one.lua, concurrency.lua) and each
+ * of a batch's (run_many.lua) are read here.
  */
 bool
-rl_read_decision(const redisReply *e, RlDecision *d)
+rl_read_decision(const redisReply *e, const RlLimit *limit, RlDecision *d)
 {
 	int64		v[7];
 	int			i,
@@ -115,8 +127,11 @@ rl_read_decision(const redisReply *e, RlDecision *d)
 		v[i] = (int64) u;
 	}
 	if ((v[0] != 0 && v[0] != 1) ||
-		v[1] <= 0 || v[1] > PG_INT32_MAX ||
-		v[2] < 0 || v[2] > PG_INT32_MAX)
+		v[1] != rl_limit_capacity(limit) ||
+		v[2] < 0 || v[2] > v[1] ||
+		v[3] < 0 || v[3] > RL_MAX_WAIT_MS ||
+		v[4] < -1 || v[4] > RL_MAX_WAIT_MS ||
+		v[5] < 0 || v[6] < 0)
 		return false;
 	d->allowed = v[0] == 1;
 	d->from_redis = true;
@@ -154,7 +169,7 @@ rl_parse_decision(RlConn *conn, redisReply *reply, const RlLimit *limit,
 	}
 	if (charges == NULL)
 	{
-		if (!rl_read_decision(reply, d))
+		if (!rl_read_decision(reply, limit, d))
 			goto bad;
 		rl_shadow_allow(limit, d);
 		freeReplyObject(reply);

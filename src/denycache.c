@@ -218,7 +218,7 @@ rl_deny_cache_lookup(const char *key, size_t len, const RlLimit *limit,
 	int64		now;
 
 	if (table == NULL || cost <= 0 || limit->shadow ||
-		cost > (limit->burst > 0 ? limit->burst : limit->lim))
+		cost > rl_limit_capacity(limit))
 		return false;
 	namelen = rl_denial_name(name, key, len, limit, server);
 	if (namelen < 0)

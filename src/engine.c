@@ -520,7 +520,7 @@ rl_decide_one(RlCharge *c, RlChargeBy by, RlDecision *d)
 	argvlen[11] = strlen(argv[11]);
 	/* empty arguments at the end are left off: run_one.lua reads them as '' */
 	argc = 12;
-	while (argvlen[argc - 1] == 0)
+	while (argc > 9 && argvlen[argc - 1] == 0)
 		argc--;
 
 	start = rl_stats ? GetCurrentTimestamp() : 0;
@@ -602,18 +602,17 @@ typedef struct RlBatch
 } RlBatch;
 
 /*
- * Turns the reply of a batch script call of n keys (keydata[j], keylen[j])
- * into d[keys[j].index] and frees it. A key Redis could not decide (its
- * value is of another type: run_many.lua returns its error in place of its
- * decision) gets
- * bad[keys[j].index] set and, the first such, its error in *failure. False,
- * with failure filled in, when the reply is an error or not what
- * run_many.lua returns: then no key was decided.
+ * Turns the reply of a batch script call of n keys of limit into
+ * d[keys[j].index] and frees it. A key Redis could not decide (its value
+ * is of another type: run_many.lua returns its error in place of its
+ * decision) gets bad[keys[j].index] set and, the first such, its error in
+ * *failure. False, with failure filled in, when the reply is an error or
+ * not what run_many.lua returns: then no key was decided.
  */
 static bool
-rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
-			   const char **keydata, const int *keylen, int n,
-			   RlDecision *d, bool *bad, RlFailure *failure)
+rl_parse_batch(RlConn *conn, redisReply *reply, const RlLimit *limit,
+			   const RlBatchKey *keys, int n, RlDecision *d, bool *bad,
+			   RlFailure *failure)
 {
 	RlDecision	checked;
 	int			j;
@@ -628,7 +627,7 @@ rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
 	/* every key's answer is read before any decision is taken from them */
 	for (j = 0; j < n; j++)
 		if (reply->element[j]->type != REDIS_REPLY_ERROR &&
-			!rl_read_decision(reply->element[j], &checked))
+			!rl_read_decision(reply->element[j], limit, &checked))
 			goto bad;
 	for (j = 0; j < n; j++)
 	{
@@ -643,7 +642,7 @@ rl_parse_batch(RlConn *conn, redisReply *reply, const RlBatchKey *keys,
 			bad[keys[j].index] = true;
 		}
 		else
-			rl_read_decision(e, &d[keys[j].index]);
+			rl_read_decision(e, limit, &d[keys[j].index]);
 	}
 	freeReplyObject(reply);
 	return true;
@@ -699,10 +698,9 @@ rl_batch_results(RlBatch *b, int from, int n, int64 rtt, bool interrupted)
 		if (call->reply == NULL)
 			failure = call->failure;
 		ok = call->reply != NULL &&
-			rl_parse_batch(call->conn, call->reply, b->keys + b->first[c],
-						   b->round_key + (b->first[c] - b->round_from),
-						   b->round_len + (b->first[c] - b->round_from),
-						   b->size[c], b->d, b->bad, &failure);
+			rl_parse_batch(call->conn, call->reply, b->limit,
+						   b->keys + b->first[c], b->size[c], b->d, b->bad,
+						   &failure);
 		call->reply = NULL;
 		if (!ok && failure.sqlerrcode == 0)
 			rl_fail(&failure, RL_FAILURE_CONNECTION, ERRCODE_CONNECTION_FAILURE,

@@ -822,6 +822,13 @@ struct RlLimit
 								 * (rl_shadow_allow) */
 };
 
+/* The units a limit holds at most: its burst, or lim when it has none. */
+static inline int32
+rl_limit_capacity(const RlLimit *limit)
+{
+	return limit->burst > 0 ? limit->burst : limit->lim;
+}
+
 /* Who made a charge, for rl_redis.refund_on_abort. */
 typedef enum RlChargeBy
 {
@@ -920,7 +927,8 @@ typedef struct RlRequest
 extern int	rl_decide(const RlRequest *req, RlDecision *d);
 
 /* a script's decision reply and on_error (decision.c) */
-extern bool rl_read_decision(const redisReply *e, RlDecision *d);
+extern bool rl_read_decision(const redisReply *e, const RlLimit *limit,
+							 RlDecision *d);
 extern bool rl_parse_decision(RlConn *conn, redisReply *reply,
 							  const RlLimit *limit, RlDecision *d,
 							  RlCharge *charges, int n, int *index,
