@@ -92,11 +92,12 @@ rl_unexpected_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 #define RL_PACKED_DECISION (7 * 8)
 
 /*
- * The longest wait a script can answer, in ms: 2^53 µs, beyond any time a
- * script computes (lua/common.lua: MAX_US), and far from overflowing when
- * added to a clock.
+ * The longest wait a script can answer, in ms: 2^54 µs, two of the longest
+ * times a script computes (lua/common.lua: MAX_US), a window and a state
+ * stamped that far ahead of the clock; far from overflowing when added to
+ * a clock.
  */
-#define RL_MAX_WAIT_MS (INT64CONST(9007199254740992) / 1000)
+#define RL_MAX_WAIT_MS (INT64CONST(18014398509481984) / 1000)
 
 /*
  * Reads into d the decision of limit packed in e (lua/common.lua:packed:
