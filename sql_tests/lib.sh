@@ -152,14 +152,22 @@ sys.exit("no FCALL or EVALSHA on a key holding %s in SLOWLOG" % tag)
 # rl_allowed_decisions PORT CMD...: runs CMD on the Redis on PORT and prints
 # how many of the decisions in its reply allow: a plain pattern's integer 1,
 # one decision packed by lua/common.lua (seven little-endian 8-byte
-# integers, the first 1 when it allows) or an array of them (a batch).
-# redis-cli --no-raw shows a packed decision as "\x01\x00..." (allowed),
-# one element a line.
+# integers, the first 1 when it allows) or an array of them (a batch), or a
+# decision of a build before 1.6 (an array of integers, the first 1 when it
+# allows). redis-cli --no-raw shows a packed decision as "\x01\x00..."
+# (allowed), one element a line. When none allows, the reply also goes to
+# stderr.
 rl_allowed_decisions() {
-	local port=$1
+	local port=$1 reply n
 	shift
-	"$RL_REDIS_CLI" -p "$port" --no-raw "$@" |
-		grep -c -E '^(\s*[0-9]+\) )?("\\x01(\\x00){7}|\(integer\) 1$)'
+	reply=$("$RL_REDIS_CLI" -p "$port" --no-raw "$@") || return 1
+	n=$(awk '
+		/^ *[0-9]+\) "\\x01\\x00\\x00\\x00\\x00\\x00\\x00\\x00/ { n++ }
+		NR == 1 && /^"\\x01\\x00\\x00\\x00\\x00\\x00\\x00\\x00/ { n++ }
+		NR == 1 && ($0 == "(integer) 1" || $0 == "1) (integer) 1") { n++ }
+		END { print n + 0 }' <<<"$reply")
+	[ "$n" -gt 0 ] || echo "the reply: $reply" >&2
+	echo "$n"
 }
 
 # rl_redis_benchmark PORT CLIENTS REQUESTS RANDOM CMD...: runs

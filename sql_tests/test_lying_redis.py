@@ -143,13 +143,24 @@ BATCH = [
     ("not an array", OK),
 ]
 
-# several limits, n = 1: 6 + 2 integers, the 6th the deciding limit's index (1-based)
+# several limits, n = 1: 6 + 3 integers: allowed, lim, remaining, reset,
+# retry, the deciding limit's index (1-based), then the limit's clock,
+# epoch and own verdict
 MANY = [
-    ("index 0", ints(1, 10, 9, 0, 0, 0, 1, 0)),
-    ("index past the limits", ints(1, 10, 9, 0, 0, 2, 1, 0)),
-    ("index far past", ints(0, 10, 0, 5, 5, 99999, 1, 0)),
-    ("negative index", ints(0, 10, 0, 5, 5, -1, 1, 0)),
+    ("index 0", ints(1, 10, 9, 0, 0, 0, 1, 0, 1)),
+    ("index past the limits", ints(1, 10, 9, 0, 0, 2, 1, 0, 1)),
+    ("index far past", ints(0, 10, 0, 5, 5, 99999, 1, 0, 0)),
+    ("negative index", ints(0, 10, 0, 5, 5, -1, 1, 0, 0)),
     ("clocks missing", ints(1, 10, 9, 0, 0, 1)),
+    ("the old eight integers", ints(1, 10, 9, 0, 0, 1, 1, 0)),
+    ("lim not the limit's", ints(1, 11, 9, 0, 0, 1, 1, 0, 1)),
+    ("remaining above lim", ints(1, 10, 11, 0, 0, 1, 1, 0, 1)),
+    ("negative reset", ints(0, 10, 0, -5, 5, 1, 1, 0, 0)),
+    ("retry beyond any wait", ints(0, 10, 0, 5, 2**62, 1, 1, 0, 0)),
+    ("allowed neither 0 nor 1", ints(2, 10, 9, 0, 0, 1, 1, 0, 1)),
+    ("verdict neither 0 nor 1", ints(1, 10, 9, 0, 0, 1, 1, 0, 2)),
+    ("negative clock", ints(1, 10, 9, 0, 0, 1, -1, 0, 1)),
+    ("negative epoch", ints(1, 10, 9, 0, 0, 1, 1, -1, 1)),
 ]
 
 
@@ -185,6 +196,22 @@ def test_bad_several_limits_reply(policy, what, reply):
             set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
             _expect_protocol_error(conn, "SELECT rl_check_all(ARRAY[%s], %s)", (policy, new_ident("lie")))
             assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        liar.close()
+
+
+@pytest.mark.parametrize("query, reply", [
+    ("SELECT allowed, remaining FROM rl_check(%s, %s)", packed(1, 10, 9, 0, 0, 1, 0)),
+    ("SELECT allowed, remaining FROM rl_check_all(ARRAY[%s], %s)", ints(1, 10, 9, 0, 0, 1, 1, 0, 1)),
+], ids=["one", "several"])
+def test_true_reply_is_taken(policy, query, reply):
+    """The replies the lies above are made from are taken as they are: each
+    lie fails for its own fault."""
+    liar = LyingRedis(reply)
+    try:
+        with pg_connect() as conn:
+            set_gucs(conn, host="127.0.0.1", port=liar.port, retry_interval=0)
+            assert conn.execute(query, (policy, new_ident("true"))).fetchone() == (True, 9)
     finally:
         liar.close()
 

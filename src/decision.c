@@ -92,41 +92,25 @@ rl_unexpected_reply(RlConn *conn, redisReply *reply, RlFailure *failure)
 #define RL_PACKED_DECISION (7 * 8)
 
 /*
- * The longest wait a script can answer, in ms: 2^54 µs, two of the longest
- * times a script computes (lua/common.lua: MAX_US), a window and a state
- * stamped that far ahead of the clock; far from overflowing when added to
- * a clock.
+ * The longest wait a script can answer, in ms: two of the longest times a
+ * script computes (2^53 µs, lua/common.lua: MAX_US), each rounded up to a
+ * ms, a window and a state stamped that far ahead of the clock; far from
+ * overflowing when added to a clock.
  */
-#define RL_MAX_WAIT_MS (INT64CONST(18014398509481984) / 1000)
+#define RL_MAX_WAIT_MS (2 * (INT64CONST(9007199254740992) / 1000 + 1))
 
 /*
- * Reads into d the decision of limit packed in e (lua/common.lua:packed:
- * allowed, lim, remaining, reset_ms, retry_after_ms, the clock it was
- * decided on and the key's epoch, seven little-endian signed 8-byte
- * integers); false, with d untouched, when e is not such a string or its
- * numbers are not what a script of that limit answers: lim is its capacity
- * (rl_limit_capacity), remaining within it, the waits within
- * RL_MAX_WAIT_MS (retry_after_ms -1: never), the clock and epoch not
- * negative. The decision of one key (run_one.lua, concurrency.lua) and each
- * of a batch's (run_many.lua) are read here.
+ * Fills d with the seven numbers v of a decision of limit (allowed, lim,
+ * remaining, reset_ms, retry_after_ms, the clock it was decided on and the
+ * key's epoch); false, with d untouched, when they are not what a script
+ * of that limit answers: lim is its capacity (rl_limit_capacity),
+ * remaining within it, the waits within RL_MAX_WAIT_MS (retry_after_ms -1:
+ * never), the clock and epoch not negative. Every decision's numbers pass
+ * here.
  */
-bool
-rl_read_decision(const redisReply *e, const RlLimit *limit, RlDecision *d)
+static bool
+rl_decision_numbers(const int64 *v, const RlLimit *limit, RlDecision *d)
 {
-	int64		v[7];
-	int			i,
-				b;
-
-	if (e->type != REDIS_REPLY_STRING || e->len != RL_PACKED_DECISION)
-		return false;
-	for (i = 0; i < 7; i++)
-	{
-		uint64		u = 0;
-
-		for (b = 7; b >= 0; b--)
-			u = (u << 8) | (unsigned char) e->str[i * 8 + b];
-		v[i] = (int64) u;
-	}
 	if ((v[0] != 0 && v[0] != 1) ||
 		v[1] != rl_limit_capacity(limit) ||
 		v[2] < 0 || v[2] > v[1] ||
@@ -147,6 +131,34 @@ rl_read_decision(const redisReply *e, const RlLimit *limit, RlDecision *d)
 }
 
 /*
+ * Reads into d the decision of limit packed in e (lua/common.lua:packed:
+ * the seven numbers of rl_decision_numbers, little-endian signed 8-byte
+ * integers); false, with d untouched, when e is not such a string or its
+ * numbers are not a decision of limit. The decision of one key
+ * (run_one.lua, concurrency.lua) and each of a batch's (run_many.lua) are
+ * read here.
+ */
+bool
+rl_read_decision(const redisReply *e, const RlLimit *limit, RlDecision *d)
+{
+	int64		v[7];
+	int			i,
+				b;
+
+	if (e->type != REDIS_REPLY_STRING || e->len != RL_PACKED_DECISION)
+		return false;
+	for (i = 0; i < 7; i++)
+	{
+		uint64		u = 0;
+
+		for (b = 7; b >= 0; b--)
+			u = (u << 8) | (unsigned char) e->str[i * 8 + b];
+		v[i] = (int64) u;
+	}
+	return rl_decision_numbers(v, limit, d);
+}
+
+/*
  * Turns a script's reply into d and frees it; false, with failure filled in,
  * when the reply is an error or not what the scripts return: the decision
  * of limit, packed (rl_read_decision; rl_shadow_allow applies the limit's
@@ -162,6 +174,8 @@ rl_parse_decision(RlConn *conn, redisReply *reply, const RlLimit *limit,
 {
 	size_t		expected = 6 + 3 * n;
 	size_t		i;
+	int64		v[7];
+	int			k;
 
 	if (reply->type == REDIS_REPLY_ERROR)
 	{
@@ -181,24 +195,23 @@ rl_parse_decision(RlConn *conn, redisReply *reply, const RlLimit *limit,
 	for (i = 0; i < expected; i++)
 		if (reply->element[i]->type != REDIS_REPLY_INTEGER)
 			goto bad;
-	if (reply->element[1]->integer <= 0 || reply->element[1]->integer > PG_INT32_MAX ||
-		reply->element[2]->integer < 0 || reply->element[2]->integer > PG_INT32_MAX)
-		goto bad;
 	if (reply->element[5]->integer < 1 || reply->element[5]->integer > n)
 		goto bad;
 	for (i = 0; i < (size_t) n; i++)
-		if (reply->element[6 + 2 * n + i]->integer != 0 &&
-			reply->element[6 + 2 * n + i]->integer != 1)
+		if (reply->element[6 + i]->integer < 0 ||
+			reply->element[6 + n + i]->integer < 0 ||
+			(reply->element[6 + 2 * n + i]->integer != 0 &&
+			 reply->element[6 + 2 * n + i]->integer != 1))
 			goto bad;
-
-	d->allowed = reply->element[0]->integer != 0;
-	d->from_redis = true;
-	d->from_cache = false;
-	d->lim = (int32) reply->element[1]->integer;
-	d->remaining = (int32) reply->element[2]->integer;
-	d->reset_ms = reply->element[3]->integer;
-	d->retry_after_ms = reply->element[4]->integer;
-	*index = (int) reply->element[5]->integer - 1;
+	/* the numbers are those of the deciding limit k */
+	k = (int) reply->element[5]->integer - 1;
+	for (i = 0; i < 5; i++)
+		v[i] = reply->element[i]->integer;
+	v[5] = reply->element[6 + k]->integer;
+	v[6] = reply->element[6 + n + k]->integer;
+	if (!rl_decision_numbers(v, charges[k].limit, d))
+		goto bad;
+	*index = k;
 	for (i = 0; i < (size_t) n; i++)
 	{
 		charges[i].stamp_us = reply->element[6 + i]->integer;

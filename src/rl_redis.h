@@ -822,11 +822,16 @@ struct RlLimit
 								 * (rl_shadow_allow) */
 };
 
-/* The units a limit holds at most: its burst, or lim when it has none. */
+/*
+ * The units a limit holds at most: a bucket's burst, or lim when it has
+ * none (a burst means nothing to the other algorithms and to a concurrency
+ * limit, whose algorithm is NULL).
+ */
 static inline int32
 rl_limit_capacity(const RlLimit *limit)
 {
-	return limit->burst > 0 ? limit->burst : limit->lim;
+	return limit->algorithm != NULL && limit->algorithm->bucket &&
+		limit->burst > 0 ? limit->burst : limit->lim;
 }
 
 /* Who made a charge, for rl_redis.refund_on_abort. */
