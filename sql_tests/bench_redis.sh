@@ -42,7 +42,15 @@
 #    connections)), target >= 0.90; pgbench -n -M prepared -T BENCH_SECONDS
 #    over TCP loopback, in every round after the Redis runs, with the Redis
 #    figure of the same round. The E8 against the extension's own FCALL
-#    is printed beside it.
+#    is printed beside it, and so is the E8 of the floor: rl_bench_floor
+#    (sql_tests/bench_redis/floor/, a fixture built here and not
+#    installed), a C function that sends one EVALSHA of the plain sliding
+#    script per call and waits for it as rl_redis does (one WaitEventSet
+#    with the latch), and does nothing else: no checks, no keys of its
+#    own, no statistics, no hiredis. No function that waits for Redis
+#    through PostgreSQL's latch can go below the floor's cost, so its E8
+#    is the most any can reach on this machine, and extension / floor is
+#    how much of that rl_redis reaches.
 #
 # LIM = 100 calls per WINDOW_MS = 1 hour, so that a token bucket's or a
 # GCRA's key lives long enough (36 s per token) for the memory figures and
@@ -197,14 +205,28 @@ for alg in "${ALGORITHMS[@]}"; do
 	done
 done
 
+# the floor of E8 (see above), built in place and declared by its path
+rm -rf "$work/floor" && cp -r sql_tests/bench_redis/floor "$work/floor" &&
+	make -s -C "$work/floor" with_llvm=no >/dev/null || die "could not build the floor fixture"
+psql -X -q -v ON_ERROR_STOP=1 -c "CREATE FUNCTION rl_bench_floor(int, text, int8, int, int8)
+	RETURNS int8 AS '$work/floor/rl_bench_floor.so' LANGUAGE C STRICT" ||
+	die "could not declare rl_bench_floor"
+[ "$(psql -X -A -t -c "SELECT rl_bench_floor($RL_REDIS_PORT, '${cmd_plain_sliding[1]}', 0, $LIM, $WINDOW_MS)")" = 1 ] ||
+	die "rl_bench_floor did not allow a call"
+flush
+
 cat >"$work/select1.sql" <<<'SELECT 1;'
 cat >"$work/sliding.sql" <<-EOT
 	\set id random(1, $IDENTITIES)
 	SELECT rl_sliding_allow('bench:' || :id, $LIM, $WINDOW_MS);
 EOT
+cat >"$work/floor.sql" <<-EOT
+	\set id random(1, $IDENTITIES)
+	SELECT rl_bench_floor($RL_REDIS_PORT, '${cmd_plain_sliding[1]}', :id, $LIM, $WINDOW_MS);
+EOT
 
 declare -A rps us ratio tps
-declare -a e8 e8ext # indexed by round
+declare -a e8 e8ext e8floor of_floor # indexed by round
 row() {
 	printf '  %-16s %12s %12s %8s %10s %10s\n' "$@"
 }
@@ -224,15 +246,19 @@ for ((r = 1; r <= BENCH_ROUNDS; r++)); do
 		row "$alg" "$(printf %.0f "${rps[ext/$alg.$r]}")" "$(printf %.0f "${rps[plain/$alg.$r]}")" \
 			"$(printf %.3f "${ratio[$alg.$r]}")" "${us[ext/$alg.$r]}" "${us[plain/$alg.$r]}"
 	done
-	for w in select1 sliding; do
+	for w in select1 sliding floor; do
 		tps[$w.$r]=$(rl_pgbench_tps "$work/$w.sql" "$CLIENTS" "$BENCH_SECONDS") || die "pgbench $w failed"
 		flush
 	done
 	e8[$r]=$(rl_calc "${tps[sliding.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[plain/sliding.$r]})")
 	e8ext[$r]=$(rl_calc "${tps[sliding.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[ext/sliding.$r]})")
+	e8floor[$r]=$(rl_calc "${tps[floor.$r]} * (1 / ${tps[select1.$r]} + 1 / ${rps[plain/sliding.$r]})")
+	of_floor[$r]=$(rl_calc "${tps[sliding.$r]} / ${tps[floor.$r]}")
 	printf '  pgbench, %d clients: SELECT 1 %.0f TPS, SELECT rl_sliding_allow(...) %.0f TPS;' \
 		"$CLIENTS" "${tps[select1.$r]}" "${tps[sliding.$r]}"
 	printf ' E8 %.3f (plain sliding), %.3f (its own FCALL)\n' "${e8[$r]}" "${e8ext[$r]}"
+	printf '  the floor: SELECT rl_bench_floor(...) %.0f TPS, E8 %.3f; extension / floor %.3f\n' \
+		"${tps[floor.$r]}" "${e8floor[$r]}" "${of_floor[$r]}"
 done
 
 echo
@@ -321,5 +347,9 @@ printf '  %-34s %8.3f %8s  %-8s %s\n' "with the plain sliding EVALSHA" \
 	"$(fmt3 "${e8[@]}")"
 printf '  %-34s %8.3f %8s  %-8s %s\n' "with its own FCALL (as bench.sh)" \
 	"$(rl_median "${e8ext[@]}")" "" "" "$(fmt3 "${e8ext[@]}")"
+printf '  %-34s %8.3f %8s  %-8s %s\n' "the floor, with the plain sliding" \
+	"$(rl_median "${e8floor[@]}")" "" "" "$(fmt3 "${e8floor[@]}")"
+printf '  %-34s %8.3f %8s  %-8s %s\n' "extension / floor (TPS)" \
+	"$(rl_median "${of_floor[@]}")" "" "" "$(fmt3 "${of_floor[@]}")"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) (after the runs)"
 exit 0
