@@ -27,8 +27,9 @@
 --   refund(key, p, now, r) undoes what a rolled-back (sub)transaction took
 --     and still counts; r = {idx, units, prev, epoch, first, scope,
 --     parents} (see run_refund.lua).
--- p = {lim, window_ms, cap} (see limit): cap is the burst, or lim when
--- none is given. now is Redis's clock (or the test clock) in microseconds.
+-- p = {lim, window_ms, cap, window_text} (see limit): cap is the burst, or
+-- lim when none is given. now is Redis's clock (or the test clock) in
+-- microseconds.
 -- scopes names the refund scopes the charge belongs to as the call gives
 -- them, "a,b", outermost first ('' for none; see split in records.lua).
 --
@@ -187,17 +188,19 @@ end
 
 -- The one limit of a call of one key (run_one.lua), filled anew by each:
 -- a table costs a call more than the three numbers it holds.
-local ONE = {lim = 0, window_ms = 0, cap = 0}
+local ONE = {lim = 0, window_ms = 0, cap = 0, window_text = ''}
 
 -- The limit of a call's arguments (as ARGV gives them; burst "0": none):
 -- lim, window_ms and the capacity cap, the burst or lim, in table p (ONE)
--- or, without one, in a new table.
+-- or, without one, in a new table; window_text is window_ms as the caller
+-- wrote it (digits, see src/engine.c), for an expiry of exactly one window:
+-- Redis takes text as it is, where it formats a number first (%.17g).
 local function limit(lim, window_ms, burst, p)
   p = p or {}
   lim = lim + 0
   local cap = burst + 0
   if cap == 0 then cap = lim end
-  p.lim, p.window_ms, p.cap = lim, window_ms + 0, cap
+  p.lim, p.window_ms, p.cap, p.window_text = lim, window_ms + 0, cap, window_ms
   return p
 end
 

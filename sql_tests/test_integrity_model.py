@@ -495,6 +495,28 @@ def test_state_outlives_a_clock_step_back(sessions, shared_redis, algorithm):
     assert 19000 <= gap <= 21000, gap
 
 
+@pytest.mark.parametrize("window_ms", [60000, WINDOW_MAX_MS])
+def test_sliding_log_lives_one_window_on_redis_clock(sessions, shared_redis, window_ms):
+    """A sliding log charged on Redis's own clock expires one window after
+    the charge, also for a window of 100 years (its expiry is the caller's
+    text of window_ms, not a number Redis formats), and a charge of several
+    units as well; on the test clock a 1 s window lives the test clock's
+    10 s at least."""
+    prefix = new_prefix("sl")
+    conn = sessions(prefix)
+    for identity, cost in [(new_id("one"), 1), (new_id("three"), 3)]:
+        assert decide(conn, "sliding", identity, 10, window_ms, cost)[:3] == (True, 10, 10 - cost)
+        [key] = keys_of(shared_redis, prefix, identity)
+        pttl = shared_redis.command("PTTL", key)
+        assert window_ms - 5000 <= pttl <= window_ms, (identity, pttl)
+    clock_prefix = new_prefix("sc")
+    on_clock = sessions(clock_prefix, clock=BASE_MS)
+    identity = new_id("clock")
+    assert decide(on_clock, "sliding", identity, 10, 1000, 1)[:3] == (True, 10, 9)
+    [key] = keys_of(shared_redis, clock_prefix, identity)
+    assert 5000 <= shared_redis.command("PTTL", key) <= 10000
+
+
 @pytest.mark.parametrize("algorithm", BUCKETS)
 def test_many_released_savepoints_keep_the_transactions_refund(sessions, algorithm):
     """A transaction that charges one key in 100 exception blocks that are
