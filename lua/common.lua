@@ -193,8 +193,10 @@ local ONE = {lim = 0, window_ms = 0, cap = 0, window_text = ''}
 -- The limit of a call's arguments (as ARGV gives them; burst "0": none):
 -- lim, window_ms and the capacity cap, the burst or lim, in table p (ONE)
 -- or, without one, in a new table; window_text is window_ms as the caller
--- wrote it (digits, see src/engine.c), for an expiry of exactly one window:
--- Redis takes text as it is, where it formats a number first (%.17g).
+-- wrote it, for an expiry of exactly one window: Redis takes text as it
+-- is, where it formats a number first (%.17g). Every caller writes it as
+-- plain digits of a checked window (pg_lltoa, src/engine.c and
+-- src/refund.c), which PEXPIRE takes as it would the number.
 local function limit(lim, window_ms, burst, p)
   p = p or {}
   lim = lim + 0

@@ -50,7 +50,8 @@
 #    own, no statistics, no hiredis. No function that waits for Redis
 #    through PostgreSQL's latch can go below the floor's cost, so its E8
 #    is the most any can reach on this machine, and extension / floor is
-#    how much of that rl_redis reaches.
+#    how much of that rl_redis reaches (both PostgreSQL's side and Redis's:
+#    the floor sends the plain script, rl_redis its own call).
 #
 # LIM = 100 calls per WINDOW_MS = 1 hour, so that a token bucket's or a
 # GCRA's key lives long enough (36 s per token) for the memory figures and
