@@ -6,8 +6,9 @@ A fixed window's state is n and l in k bytes each (k = 1 to 4, the fewest
 that hold both), then the key's epoch in 7: 9 to 15 bytes, an odd length.
 The epoch is Redis's clock when the window's state was made, so on Redis's
 clock the window's number is floor(epoch / window_us); on the test clock it
-is not, and the state holds the window's number too (8 more bytes: 17 to
-23). Any other length is not a fixed window's state: WRONGTYPE, among them
+need not be, and every state written there holds the window's number too
+(8 more bytes: 17 to 23). The window's first write on Redis's clock sets
+the key's expiry, its later ones keep it. Any other length is not a fixed window's state: WRONGTYPE, among them
 22, the layout of earlier 1.6 builds (n, w, e, l in 4, 7, 7 and 4 bytes),
 whose window number would otherwise be read as an epoch.
 A sliding counter's state is 26 bytes: its window's number is that of its
@@ -127,6 +128,51 @@ def test_fixed_state_on_the_test_clock_holds_its_window(pg, shared_redis):
     n, l, epoch2, w = fixed_state(shared_redis.command("GET", key))
     assert (n, l, w) == (1, 5, BASE_CLOCK_MS // 60000 + 1)
     assert after <= epoch2 <= redis_us(shared_redis)
+    shared_redis.command("DEL", key)
+
+
+def test_fixed_write_in_its_window_keeps_the_expiry(pg, shared_redis, policy):
+    """On Redis's clock the window's first write sets the key's expiry (the
+    window's end) and the later writes of that window keep it (SET ...
+    KEEPTTL): a charge, and an administrator's refund. A marker expiry set
+    in between is still there after both."""
+    name = policy(10, HUGE_WINDOW_MS)
+    identity = new_ident("packed_keep")
+    key = rl_key("fixed", identity, policy=name, lim=10, window_ms=HUGE_WINDOW_MS)
+    check = "SELECT allowed, remaining FROM rl_check(%s, %s, %s)"
+    assert pg.execute(check, (name, identity, 1)).fetchone() == (True, 9)
+    assert int(shared_redis.command("PTTL", key)) > 10**11   # the window's end, in 2033
+    shared_redis.command("PEXPIRE", key, 600000)
+    assert pg.execute(check, (name, identity, 2)).fetchone() == (True, 7)
+    assert pg.execute("SELECT allowed, remaining FROM rl_refund(%s, %s, 1)",
+                      (name, identity)).fetchone() == (True, 8)
+    assert 0 < int(shared_redis.command("PTTL", key)) <= 600000
+    assert fixed_state(shared_redis.command("GET", key))[:2] == (2, 10)
+    shared_redis.command("DEL", key)
+
+
+def test_fixed_test_clock_state_sets_its_expiry_anew(pg, shared_redis):
+    """On the test clock every write takes the long form, even where its
+    epoch gives its window's number (the clock set to Redis's own), and
+    sets the expiry anew (it lives 10 s of real time at least); a write on
+    Redis's clock over such a state, in the same window, sets it anew as
+    well, and from then on the short form."""
+    identity = new_ident("packed_clock_keep")
+    key = rl_key("fixed", identity, lim=5, window_ms=HUGE_WINDOW_MS)
+    set_gucs(pg, test_clock_ms=redis_us(shared_redis) // 1000)
+    assert fixed(pg, identity, 5, HUGE_WINDOW_MS) == (True, 4)
+    n, l, epoch, w = fixed_state(shared_redis.command("GET", key))
+    assert (len(raw(shared_redis, key)), n, l, w) == (17, 1, 5, epoch // HUGE_WINDOW_US)
+    shared_redis.command("PEXPIRE", key, 600000)
+    assert fixed(pg, identity, 5, HUGE_WINDOW_MS) == (True, 3)
+    assert int(shared_redis.command("PTTL", key)) > 10**11
+    assert len(raw(shared_redis, key)) == 17
+    shared_redis.command("PEXPIRE", key, 600000)
+    set_gucs(pg, test_clock_ms=0)
+    assert fixed(pg, identity, 5, HUGE_WINDOW_MS) == (True, 2)
+    assert int(shared_redis.command("PTTL", key)) > 10**11
+    assert (fixed_state(shared_redis.command("GET", key)), len(raw(shared_redis, key))) == \
+        ((3, 5, epoch, None), 9)
     shared_redis.command("DEL", key)
 
 
