@@ -17,15 +17,17 @@
 -- and its epoch gives its window's number. A call in a later window starts
 -- from zero, and a call whose clock is in an earlier one (the clock stepped
 -- back) is decided in window w: a step back cannot reopen a window. The key
--- expires at its window's end (on Redis's clock: later by the step back),
--- the same moment for every write of the window on Redis's clock: the write
--- that makes a window's state sets it, and a later write on Redis's clock
--- over a short-form state of the same window keeps it (SET ... KEEPTTL,
--- about 10 k instructions fewer than SET ... PX in Redis 7.0); on the test
--- clock (whose states live 10 s of real time at least) or over a long-form
--- state, a write sets it anew. (So a short-form state that another writer
--- left with another expiry, or none, keeps it until a call of a later
--- window writes the key anew.) A rolled-back
+-- expires FIXED_SLACK_MS after its window's end (on Redis's clock: later
+-- by the step back), the same moment for every write of the window on
+-- Redis's clock: the write that makes a window's state sets it, and a later
+-- write on Redis's clock over a short-form state of the same window keeps
+-- it (SET ... KEEPTTL, about 10 k instructions fewer than SET ... PX in
+-- Redis 7.0); on the test clock (whose states live 10 s of real time at
+-- least) or over a long-form state, a write sets it anew. So a short-form
+-- state that another writer left with an earlier expiry, or none, keeps it
+-- until a call of a later window writes the key anew; among them a state
+-- that a development build of 1.6 before this one wrote on the test clock
+-- in the short form. A rolled-back
 -- charge gives back its units while their window is current, the key's
 -- epoch is the one they were taken under and its state was last written
 -- under the charge's lim (a policy keeps its key when its lim changes, and
@@ -36,6 +38,13 @@
 -- bytes), whose w would be misread as an epoch.
 -- (Release 1.5 and before kept a hash under the kind "fixed"; keys of kind
 -- "fixed.2" hold this layout only.)
+
+-- How long a key outlives its window (ms), as its later writes keep the
+-- expiry its first one set: Redis may count that expiry from a moment a
+-- little before this call's TIME (7.2 and later: the command's start), and
+-- a Cluster slot moved to a node whose clock is behind takes a key's time
+-- to live with it (MIGRATE), so that it would end early on that clock.
+local FIXED_SLACK_MS = 1000
 
 -- The struct formats of a state whose counts take k = 1 to 4 bytes, the
 -- k-th of each list: short form, and the test-clock form (I8 appended).
@@ -96,7 +105,7 @@ local function fixed_save(key, p, idx, left, n, now, real, epoch, timed, r)
       call('SET', key, spack(FIXED_FORMATS[k], n, p.lim, epoch), 'KEEPTTL')
     else
       call('SET', key, spack(FIXED_FORMATS[k], n, p.lim, epoch), 'PX',
-        ttl_ms(left, now, real))
+        ttl_ms(left, now, real) + FIXED_SLACK_MS)
     end
   else
     call('DEL', key)

@@ -1,6 +1,10 @@
 -- Main part of the several-limits script: all limits decide on one clock,
 -- and the calls are applied to all of them or to none.
--- KEYS[i]  the key of limit i
+-- KEYS[i]  the key of limit i, each a different one (rl_check_all takes
+--          each policy once, a guard each identity): a key's second write
+--          would follow the
+--          first one's, decided on a state the first changed (a fixed
+--          window's SET ... KEEPTTL after its DEL would leave no expiry)
 -- ARGV     now_us ('' for Redis TIME), refund scopes ('' for none), then for
 --          each limit: algorithm, lim, window_ms, burst (0: none), cost
 --          (< 0: give back), shadow ('1': a shadow policy's, '0')

@@ -151,6 +151,18 @@ def test_fixed_write_in_its_window_keeps_the_expiry(pg, shared_redis, policy):
     shared_redis.command("DEL", key)
 
 
+def test_fixed_key_outlives_its_window_by_a_second(pg, shared_redis):
+    """The expiry the window's first write sets is 1 s after the window's
+    end (reset_ms from now), as the later writes keep it."""
+    identity = new_ident("packed_slack")
+    key = rl_key("fixed", identity, lim=10, window_ms=HUGE_WINDOW_MS)
+    reset_ms = pg.execute("SELECT reset_ms FROM rl_fixed(%s, 10, %s)",
+                          (identity, HUGE_WINDOW_MS)).fetchone()[0]
+    pttl = int(shared_redis.command("PTTL", key))
+    assert reset_ms < pttl <= reset_ms + 1000, (reset_ms, pttl)
+    shared_redis.command("DEL", key)
+
+
 def test_fixed_test_clock_state_sets_its_expiry_anew(pg, shared_redis):
     """On the test clock every write takes the long form, even where its
     epoch gives its window's number (the clock set to Redis's own), and
